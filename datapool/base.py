@@ -1,0 +1,71 @@
+"""The pool interface that the embedded pool (SQLite / PostgreSQL) and the HTTP client both implement.
+
+The gateway writes through it (sessions, calls, rewards, ends); the trainer reads through it
+(claim ready groups, mark them consumed). `datapool.open_pool(url)` returns the right implementation:
+`sqlite:///path.db`, `postgresql://…`, or `http://host:port` (the pool service).
+
+Exceptions (all subclasses of `PoolError`):
+
+    PoolError
+    ├── InvalidRecord      a record contradicts itself or refers to something unknown (nothing written)
+    ├── UnknownSession     no such session
+    └── ReadOnlyPool       a write to a pool opened read-only
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from datapool.records import CallRecord, EpisodeData, Group, LeafRule, Reward, SessionInfo, SessionTree
+
+
+class PoolError(Exception):
+    """Base class of the pool's errors."""
+
+
+class InvalidRecord(PoolError):
+    """A record contradicts itself (e.g. logprob count != output length) or refers to something unknown."""
+
+
+class UnknownSession(PoolError):
+    """The session id is not in the pool."""
+
+
+class ReadOnlyPool(PoolError):
+    """A write was attempted on a pool opened read-only."""
+
+
+class Pool(Protocol):
+    # --- writes (gateway, rollout driver, evaluators) ---
+    def create_session(self, info: SessionInfo) -> None: ...
+    def add_calls(self, records: list[CallRecord]) -> None:
+        """Insert a batch atomically: each call extends its session's tree (cost ∝ new tokens)."""
+    def add_reward(self, reward: Reward) -> None: ...
+    def end_session(self, session_id: str, status: str = "completed") -> None: ...
+
+    # --- reads ---
+    def get_session(self, session_id: str) -> SessionInfo: ...
+    def list_sessions(self, status: str | None = None) -> list[SessionInfo]: ...
+    def get_tree(self, session_id: str) -> SessionTree: ...
+    def get_episode(self, session_id: str, leaf_rule: LeafRule = "drop_superseded") -> EpisodeData: ...
+    def stats(self) -> dict[str, int]: ...
+
+    # --- the trainer's side ---
+    def claim_groups(
+        self,
+        consumer: str,
+        min_version: int,
+        max_groups: int,
+        group_size: int | None = None,
+        leaf_rule: LeafRule = "drop_superseded",
+    ) -> list[Group]:
+        """Hand out ready groups (every session ended and rewarded; all action tokens at version >=
+        min_version; at least `group_size` sessions if given) to `consumer`. A group is the set of ready,
+        unclaimed sessions sharing a group key; sessions of the same key that arrive later form a new
+        group. A claimed group is never handed to another consumer. Groups older than min_version are
+        marked stale and skipped."""
+    def mark_consumed(self, group_ids: list[str], consumer: str) -> None: ...
+    def release_groups(self, group_ids: list[str], consumer: str) -> None:
+        """Give back claimed but unconsumed groups (e.g. after a trainer restart)."""
+
+    def close(self) -> None: ...

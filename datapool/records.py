@@ -1,0 +1,149 @@
+"""The records every Stepline component exchanges.
+
+The gateway produces `CallRecord`s; the pool stores them as a radix tree of tokens per session
+(`SessionTree`) and serves `Trajectory`s (the steps view) and `Group`s to the trainer. These types
+are the contract between the components: change a field here and every side changes with it.
+
+Token arrays are numpy arrays (int32 ids, float32 logprobs) in memory and packed little-endian bytes
+on the wire and on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+SessionStatus = Literal["open", "completed", "failed", "aborted"]
+NodeKind = Literal["obs", "act"]
+LeafRule = Literal["all", "drop_superseded", "main"]
+
+NO_VERSION = -1  # weight version of observation tokens (not sampled by any policy)
+
+
+@dataclass
+class SessionInfo:
+    """One episode of one harness on one task."""
+
+    session_id: str
+    task_id: str
+    harness: str
+    group_id: str | None = None  # explicit group; default group is f"{task_id}::{harness}"
+    metadata: dict[str, Any] = field(default_factory=dict)
+    status: SessionStatus = "open"
+    created_at: float = 0.0  # unix seconds
+    ended_at: float | None = None
+
+    @property
+    def group_key(self) -> str:
+        return self.group_id if self.group_id is not None else f"{self.task_id}::{self.harness}"
+
+
+@dataclass
+class CallRecord:
+    """One model call as the gateway saw it: exactly which tokens went in and came out."""
+
+    session_id: str
+    call_index: int  # 0, 1, 2… in dispatch order within the session (assigned by the gateway)
+    prompt_ids: np.ndarray  # int32 [P]: the full prompt the engine received
+    output_ids: np.ndarray  # int32 [O]: the tokens the engine sampled, in order
+    output_logprobs: np.ndarray  # float32 [O]: the engine's logprob of each sampled token
+    weight_version: int  # policy version stamped at dispatch
+    finish_reason: str = "stop"  # stop | length | abort
+    api: str = "chat.completions"  # chat.completions | completions | responses | messages
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, max_new_tokens…
+    timings: dict[str, float] = field(default_factory=dict)  # received, dispatched, first_token, done
+    request: bytes | None = None  # zstd-compressed orjson of the API request body
+    response: bytes | None = None  # zstd-compressed orjson of the API answer
+
+
+@dataclass
+class Reward:
+    """A reward for a session: terminal (step None) or for one call (step = call_index)."""
+
+    session_id: str
+    value: float
+    step: int | None = None
+    name: str = "outcome"  # named component; several components add up with their weights
+    weight: float = 1.0
+    created_at: float = 0.0
+
+
+@dataclass
+class Node:
+    """A node of a session's radix tree: a run of tokens that share one parent and one kind."""
+
+    id: int
+    parent: int  # -1 for a child of the (empty) root
+    kind: NodeKind  # "obs": added by the harness (loss mask 0); "act": sampled (loss mask 1)
+    tokens: np.ndarray  # int32 [L]
+    logprobs: np.ndarray  # float32 [L]; zeros on observation nodes
+    call_index: int  # the call that added these tokens
+    weight_version: int = NO_VERSION  # version that sampled them (act nodes only)
+
+
+@dataclass
+class SessionTree:
+    """All tokens of a session, each stored once. `nodes` are in topological order (parents first)."""
+
+    session_id: str
+    nodes: list[Node]
+    # call_index -> (node id where the call's prompt ends, node ids of its action, in order)
+    calls: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+
+
+@dataclass
+class Step:
+    """One transition of a trajectory. Positions index `Trajectory.tokens`.
+
+    State s_t = tokens[:action_start] (the call's prompt); action a_t = tokens[action_start:action_end].
+    """
+
+    call_index: int
+    action_start: int
+    action_end: int
+    behaviour_logprobs: np.ndarray  # float32 [action_end - action_start], as recorded from the engine
+    weight_version: int
+    reward: float = 0.0  # dense per-step reward (weighted sum of components); 0 if none posted
+    done: bool = False  # True on the trajectory's last step
+    finish_reason: str = "stop"
+
+
+@dataclass
+class Trajectory:
+    """A root-to-leaf path of a session's tree, with its steps (the steps view)."""
+
+    session_id: str
+    leaf: int  # node id of the leaf
+    tokens: np.ndarray  # int32 [T]: root → leaf
+    loss_mask: np.ndarray  # int8 [T]: 1 on action tokens
+    logprobs: np.ndarray  # float32 [T]: behaviour logprobs on action tokens, 0 elsewhere
+    steps: list[Step]
+    node_path: list[tuple[int, int, int]]  # (node id, start, end) in `tokens`: the position in the tree
+    is_main: bool = False  # the main trajectory of the session (see the leaf rules)
+
+
+@dataclass
+class EpisodeData:
+    """What the trainer needs of one session: info, rewards, its tree and the trajectories that train."""
+
+    info: SessionInfo
+    rewards: list[Reward]
+    tree: SessionTree
+    trajectories: list[Trajectory]
+
+    @property
+    def outcome(self) -> float:
+        """Terminal reward: weighted sum of the terminal components (0 if none)."""
+        return float(sum(r.value * r.weight for r in self.rewards if r.step is None))
+
+
+@dataclass
+class Group:
+    """Sessions of the same task × harness (or explicit group id), handed to one trainer."""
+
+    group_id: str  # unique id of this handed-out group (the same task × harness recurs in later batches)
+    group_key: str  # task::harness or the explicit group id of its sessions
+    episodes: list[EpisodeData]
+    min_version: int  # oldest weight version among its action tokens

