@@ -108,6 +108,9 @@ class Step:
     reward: float = 0.0  # dense per-step reward (weighted sum of components); 0 if none posted
     done: bool = False  # True on the trajectory's last step
     finish_reason: str = "stop"
+    # sampling temperature of the call (its `sampling["temperature"]`, 1.0 if absent): the engine's
+    # logprobs are log_softmax(logits / T), so the trainer divides its logits by the same T
+    temperature: float = 1.0
 
 
 @dataclass
