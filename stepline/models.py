@@ -1,0 +1,256 @@
+"""Tiny random-weight causal LMs built locally (nothing is downloaded from a model hub).
+
+    build_model(out, kind="tiny")        own byte-level BPE tokenizer (~3k tokens), ChatML template with
+                                         Qwen2.5-style tool calls, Qwen2ForCausalLM with random weights
+    build_model(out, kind="qwen3-tiny")  the real Qwen3 tokenizer and chat template (stepline.assets),
+                                         Qwen3ForCausalLM with random weights
+
+Both are saved as ordinary Hugging Face model directories (config.json, model.safetensors, tokenizer
+files, generation_config.json), so every consumer loads them with AutoModelForCausalLM/AutoTokenizer.
+The same seed gives byte-identical weights and tokenizer files.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Literal
+
+import click
+
+__all__ = ["SPECIAL_TOKENS", "TINY_CHAT_TEMPLATE", "ModelKind", "build_model", "make_model_command", "tiny_corpus"]
+
+ModelKind = Literal["tiny", "qwen3-tiny"]
+
+# Same names as Qwen's, so a gateway written for Qwen parses the tiny model's output unchanged.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+]
+
+# Qwen2.5's ChatML template (tools in the system message, <tool_call> JSON in assistant turns, tool
+# results as <tool_response> blocks inside one user turn), with a neutral default system prompt and
+# string-or-object tool arguments as in Qwen3's template.
+TINY_CHAT_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}
+                {{- tool_call.arguments }}
+            {%- else %}
+                {{- tool_call.arguments | tojson }}
+            {%- endif %}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+_WORDS = (
+    "the a an agent model tool call search file find answer question result error user system assistant "
+    "function returns value list of and or not with from to in on for is are was be this that it what which "
+    "how many when where who why please run open read write delete create update query document page click "
+    "button type text input output step reward task done true false null number string object array name "
+    "arguments content role message weather city today temperature price total count first last next "
+    "directory path python bash command line status ok failed success try again because then so we I you"
+).split()
+_COMMANDS = (
+    "ls -la", "cat README.md", "grep -rn TODO src/", "python -m pytest -q", "git status", "cd /tmp && ls",
+    "echo hello > out.txt", "find . -name '*.py' | wc -l", "pip install requests", "head -n 20 data.csv",
+    "mkdir -p build && cd build", "sed -n 1,10p main.py", "curl -s http://localhost:8000/health",
+)
+_TOOLS = ("search", "get_weather", "run_shell", "read_file", "write_file", "click", "type_text", "calculator")
+
+
+def tiny_corpus(lines: int = 4000, seed: int = 0) -> list[str]:
+    """A deterministic mixed corpus (English, JSON, shell, tool-call text) to train the tiny tokenizer on."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for i in range(lines):
+        words = rng.choices(_WORDS, k=rng.randint(4, 14))
+        kind = i % 5
+        if kind == 0:
+            out.append(" ".join(words).capitalize() + rng.choice([".", "?", "!"]))
+        elif kind == 1:
+            args = {words[0]: words[1], "n": rng.randint(0, 999), "ok": rng.choice([True, False])}
+            tool = rng.choice(_TOOLS)
+            out.append(f'<tool_call>\n{{"name": "{tool}", "arguments": {_json(args)}}}\n</tool_call>')
+        elif kind == 2:
+            out.append(f"$ {rng.choice(_COMMANDS)}\n{' '.join(words)}")
+        elif kind == 3:
+            out.append(f"<tool_response>\n{_json({'result': ' '.join(words), 'score': rng.random()})}\n</tool_response>")
+        else:
+            out.append(f"<|im_start|>user\n{' '.join(words)}?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+                       f"{' '.join(reversed(words))}\n</think>\n\n{words[0]} {rng.randint(0, 100)}.<|im_end|>")
+    return out
+
+
+def _json(value: object) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def build_model(
+    out_dir: Path | str,
+    kind: ModelKind = "tiny",
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    vocab_size: int = 3072,
+    max_position_embeddings: int = 4096,
+) -> Path:
+    """Build a random-weight model directory at `out_dir` and return it.
+
+    `vocab_size` applies to `tiny` only (the BPE target size); `qwen3-tiny` uses the real vocabulary.
+    Deterministic: the same arguments give byte-identical files.
+    """
+    import torch
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if kind == "tiny":
+        tokenizer = _tiny_tokenizer(vocab_size)
+    elif kind == "qwen3-tiny":
+        tokenizer = _qwen3_tokenizer()
+    else:
+        raise ValueError(f"unknown model kind {kind!r}; expected 'tiny' or 'qwen3-tiny'")
+    config = _config(kind, tokenizer, hidden_size, num_layers, num_heads, num_kv_heads,
+                     intermediate_size or 3 * hidden_size, max_position_embeddings)
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[config.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")],
+        pad_token_id=config.pad_token_id,
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _config(kind: ModelKind, tokenizer, hidden: int, layers: int, heads: int, kv_heads: int,
+            intermediate: int, max_positions: int):
+    from transformers import Qwen2Config, Qwen3Config
+
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden_size {hidden} must divide by num_heads {heads}, which must divide by num_kv_heads {kv_heads}")
+    # Round the embedding up to a multiple of 64 as Qwen does; the extra rows are never produced by the tokenizer.
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+        tie_word_embeddings=True, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None,
+    )
+    if kind == "tiny":
+        return Qwen2Config(**common)
+    return Qwen3Config(head_dim=hidden // heads, **common)
+
+
+def _tiny_tokenizer(vocab_size: int):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    # As in Qwen: the control tokens are special (skipped by decode(skip_special_tokens=True)); the
+    # tool/think markers are added tokens that are never split but stay visible in decoded text.
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS[:3], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tiny_corpus(), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in SPECIAL_TOKENS[3:]])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False, model_max_length=4096,
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def _qwen3_tokenizer():
+    from transformers import AutoTokenizer
+
+    from stepline.assets import qwen3_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+
+
+@click.command("make-model")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--kind", type=click.Choice(["tiny", "qwen3-tiny"]), default="tiny", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Weight initialisation seed.")
+@click.option("--hidden-size", type=click.IntRange(min=8), default=64, show_default=True)
+@click.option("--num-layers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--num-heads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--num-kv-heads", type=click.IntRange(min=1), default=2, show_default=True)
+def make_model_command(out: Path, kind: ModelKind, seed: int, hidden_size: int, num_layers: int,
+                       num_heads: int, num_kv_heads: int) -> None:
+    """Build a tiny random-weight model directory at OUT (nothing is downloaded)."""
+    try:
+        path = build_model(out, kind=kind, seed=seed, hidden_size=hidden_size, num_layers=num_layers,
+                           num_heads=num_heads, num_kv_heads=num_kv_heads)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    click.echo(str(path))
