@@ -1,0 +1,90 @@
+"""The tree forward equals its slow obvious twin, and a fresh policy reproduces the engine's logprobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import FakeCall, episode_from_calls, sample
+from transformers import AutoModelForCausalLM
+
+from trainer.tree_forward import forest_forward, naive_logprobs, pack_forest
+
+torch.set_num_threads(1)
+
+
+def load(model_dir: Path, attn: str = "sdpa"):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
+
+
+def multi_turn(seed: int, turns: int = 4, fork: bool = True) -> list[FakeCall]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(10, 3000, (n,), generator=g).tolist()
+
+    calls, history = [], rand(12)
+    for t in range(turns):
+        out = rand(5 + t)
+        calls.append(FakeCall(prompt=list(history), output=out, temperature=[1.0, 0.7][t % 2]))
+        history = history + out + rand(4)
+    if fork:  # a retry of turn 1 with a rewritten observation: the tree forks in the middle of a node
+        calls.append(FakeCall(prompt=calls[1].prompt[:-2] + rand(3), output=rand(6)))
+    return calls
+
+
+def test_pack_layout_by_hand() -> None:
+    # prompt [5 6] -> act [7 8]; then prompt [5 6 7 8 9] -> act [10]; and a retry prompt [5 6 11] -> act [12]
+    ep = episode_from_calls("s", [FakeCall([5, 6], [7, 8]), FakeCall([5, 6, 7, 8, 9], [10]), FakeCall([5, 6, 11], [12])])
+    f = pack_forest([ep])
+    # nodes in order: [5 6] obs, [7 8] act, [9] obs, [10] act, [11] obs, [12] act
+    assert f.input_ids.tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    assert f.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 2, 3]  # depth: the retry branch restarts at 2
+    assert f.targets.tolist() == [2, 3, 5, 7]
+    assert f.sources.tolist() == [1, 2, 4, 6]  # 7 is predicted at 6, 10 at 9, 12 at 11
+    allowed = f.attention_bias(torch.float32)[0, 0] == 0
+    assert allowed[6].tolist() == [True, True, False, False, False, False, True, False]  # 11 sees 5 6 11
+    assert allowed[5].tolist() == [True] * 6 + [False, False]  # 10 sees its whole path
+    assert f.naive_tokens == 4 + 6 + 4  # each step's state + action
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_forward_equals_naive(tiny_model_dir: Path, attn: str) -> None:
+    model = load(tiny_model_dir, attn)
+    episodes = [episode_from_calls(f"s{i}", multi_turn(i, fork=i == 0)) for i in range(2)]
+    forest = pack_forest(episodes)
+    assert len(forest.targets) == sum(len(c.output) for i in range(2) for c in multi_turn(i, fork=i == 0))
+    with torch.no_grad():
+        tree = forest_forward(model, forest).logprobs
+        naive = naive_logprobs(model, episodes, forest)
+    torch.testing.assert_close(tree, naive, atol=1e-5, rtol=0)
+    assert forest.num_tokens < forest.naive_tokens
+
+
+def test_gradients_equal_naive(tiny_model_dir: Path) -> None:
+    model = load(tiny_model_dir)
+    episodes = [episode_from_calls("s", multi_turn(3, turns=3))]
+    forest = pack_forest(episodes)
+    grads = []
+    for fn in (lambda: forest_forward(model, forest).logprobs, lambda: naive_logprobs(model, episodes, forest)):
+        model.zero_grad()
+        fn().sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-4, rtol=1e-4)
+
+
+def test_fresh_policy_reproduces_sampled_logprobs(tiny_model_dir: Path) -> None:
+    model = load(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    prompt = [11, 12, 13, 14]
+    out0, lp0 = sample(model, prompt, 6, temperature=0.7, generator=g)
+    prompt1 = prompt + out0 + [15, 16]
+    out1, lp1 = sample(model, prompt1, 5, temperature=1.3, generator=g)
+    ep = episode_from_calls("s", [FakeCall(prompt, out0, lp0, temperature=0.7),
+                                  FakeCall(prompt1, out1, lp1, temperature=1.3)])
+    forest = pack_forest([ep])
+    with torch.no_grad():
+        out = forest_forward(model, forest)
+    torch.testing.assert_close(out.logprobs, forest.behaviour_logprobs, atol=1e-4, rtol=0)
+    assert out.entropy is not None and bool((out.entropy > 0).all())

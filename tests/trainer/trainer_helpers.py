@@ -1,0 +1,147 @@
+"""Test helpers: build EpisodeData from calls without a pool, and sample calls with the HF model.
+
+`episode_from_calls` is a small, independent radix-tree builder (token trie, then chains compressed into
+nodes), so the trainer's tests do not depend on the pool's implementation; the integration tests use
+the real SQLite pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from datapool.records import EpisodeData, Node, Reward, SessionInfo, SessionTree, Step, Trajectory
+
+
+@dataclass
+class FakeCall:
+    prompt: list[int]
+    output: list[int]
+    logprobs: list[float] | None = None
+    version: int = 0
+    temperature: float = 1.0
+    step_reward: float = 0.0
+
+
+@dataclass
+class _Tok:
+    token: int
+    kind: str
+    logprob: float
+    call: int
+    version: int
+    parent: int
+    children: dict[int, int] = field(default_factory=dict)
+    cut: bool = False  # a node boundary after this token (a prompt or an action ends here)
+
+
+def episode_from_calls(session_id: str, calls: list[FakeCall], outcome: float | None = 1.0,
+                       task_id: str = "t", harness: str = "h") -> EpisodeData:
+    toks: list[_Tok] = []
+    roots: dict[int, int] = {}
+    call_ends: dict[int, tuple[int, int, int]] = {}  # call -> (prompt end tok, first act tok, last act tok)
+
+    def walk(at: int, seq: list[int], kind: str, lps: list[float], ci: int, version: int) -> list[int]:
+        path = []
+        for t, lp in zip(seq, lps):
+            children = toks[at].children if at >= 0 else roots
+            if t not in children:
+                toks.append(_Tok(t, kind, lp if kind == "act" else 0.0, ci, version if kind == "act" else -1, at))
+                children[t] = len(toks) - 1
+            at = children[t]
+            path.append(at)
+        return path
+
+    for ci, call in enumerate(calls):
+        lps = call.logprobs if call.logprobs is not None else [-1.0] * len(call.output)
+        p = walk(-1, call.prompt, "obs", [0.0] * len(call.prompt), ci, -1)
+        a = walk(p[-1], call.output, "act", lps, ci, call.version)
+        toks[p[-1]].cut = toks[a[-1]].cut = True
+        call_ends[ci] = (p[-1], a[0], a[-1])
+
+    # compress chains into nodes (preorder DFS = topological order)
+    nodes: list[Node] = []
+    node_of_tok: dict[int, int] = {}
+    stack = [(t, -1) for t in reversed(list(roots.values()))]
+    while stack:
+        start, parent = stack.pop()
+        run = [start]
+        while (len(toks[run[-1]].children) == 1 and not toks[run[-1]].cut):
+            nxt = next(iter(toks[run[-1]].children.values()))
+            if toks[nxt].kind != toks[start].kind or toks[nxt].call != toks[start].call:
+                break
+            run.append(nxt)
+        nid = len(nodes)
+        first = toks[start]
+        nodes.append(Node(id=nid, parent=parent, kind=first.kind,  # type: ignore[arg-type]
+                          tokens=np.array([toks[i].token for i in run], dtype=np.int32),
+                          logprobs=np.array([toks[i].logprob for i in run], dtype=np.float32),
+                          call_index=first.call, weight_version=first.version))
+        for i in run:
+            node_of_tok[i] = nid
+        stack.extend((c, nid) for c in reversed(list(toks[run[-1]].children.values())))
+
+    tree = SessionTree(session_id=session_id, nodes=nodes)
+    for ci, (pend, a0, a1) in call_ends.items():
+        act = []
+        n = node_of_tok[a1]
+        while True:
+            act.append(n)
+            if n == node_of_tok[a0]:
+                break
+            n = nodes[n].parent
+        tree.calls[ci] = (node_of_tok[pend], list(reversed(act)))
+
+    children = {n.parent for n in nodes}
+    trajectories = [_trajectory(tree, leaf.id, calls) for leaf in nodes if leaf.id not in children]
+    trajectories[-1].is_main = True
+    info = SessionInfo(session_id=session_id, task_id=task_id, harness=harness, status="completed")
+    rewards = [Reward(session_id, outcome)] if outcome is not None else []
+    rewards += [Reward(session_id, c.step_reward, step=i) for i, c in enumerate(calls) if c.step_reward]
+    return EpisodeData(info=info, rewards=rewards, tree=tree, trajectories=trajectories)
+
+
+def _trajectory(tree: SessionTree, leaf: int, calls: list[FakeCall]) -> Trajectory:
+    chain = []
+    n = leaf
+    while n >= 0:
+        chain.append(tree.nodes[n])
+        n = tree.nodes[n].parent
+    chain.reverse()
+    node_path, pos = [], 0
+    for node in chain:
+        node_path.append((node.id, pos, pos + len(node.tokens)))
+        pos += len(node.tokens)
+    where = {nid: (s, e) for nid, s, e in node_path}
+    steps = []
+    for ci, (_, act) in sorted(tree.calls.items()):
+        if all(a in where for a in act):
+            start, end = where[act[0]][0], where[act[-1]][1]
+            lps = np.concatenate([tree.nodes[a].logprobs for a in act])
+            steps.append(Step(call_index=ci, action_start=start, action_end=end, behaviour_logprobs=lps,
+                              weight_version=calls[ci].version, reward=calls[ci].step_reward,
+                              temperature=calls[ci].temperature))
+    if steps:
+        steps[-1].done = True
+    kinds = np.concatenate([np.full(len(n.tokens), n.kind == "act", dtype=np.int8) for n in chain])
+    return Trajectory(session_id=tree.session_id, leaf=leaf,
+                      tokens=np.concatenate([n.tokens for n in chain]).astype(np.int32), loss_mask=kinds,
+                      logprobs=np.concatenate([n.logprobs for n in chain]).astype(np.float32),
+                      steps=steps, node_path=node_path)
+
+
+@torch.no_grad()
+def sample(model, prompt: list[int], n: int, temperature: float = 1.0, generator=None) -> tuple[list[int], list[float]]:
+    """Sample n tokens with the HF model; return ids and log_softmax(logits / T) of each (like the engine)."""
+    ids = list(prompt)
+    out, lps = [], []
+    for _ in range(n):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float() / temperature
+        logp = torch.log_softmax(logits, -1)
+        t = int(torch.multinomial(logp.exp(), 1, generator=generator))
+        out.append(t)
+        lps.append(float(logp[t]))
+        ids.append(t)
+    return out, lps
