@@ -1,0 +1,162 @@
+"""Advantage estimators against values worked out by hand (the arithmetic is in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.algorithms import ADVANTAGES, AdvantageInputs, group_index, group_normalize, leave_one_out
+from trainer.algorithms.advantages import value_targets
+
+torch.set_num_threads(1)
+
+# Eight episodes, one step each. Groups: 0 = {1, 0, 0}; 1 = {0.5} (single sample); 2 = {2, 2} (zero
+# variance); 3 = {1, 3}.
+OUTCOME = torch.tensor([1.0, 0.0, 0.0, 0.5, 2.0, 2.0, 1.0, 3.0])
+GROUP = torch.tensor([0, 0, 0, 1, 2, 2, 3, 3])
+
+
+def one_step_each(outcome: torch.Tensor = OUTCOME, group: torch.Tensor = GROUP) -> AdvantageInputs:
+    e = torch.arange(len(outcome))
+    return AdvantageInputs(outcome, group, step_episode=e, step_traj=e, step_position=torch.zeros_like(e))
+
+
+def close(actual: torch.Tensor, expected: list[float], tol: float = 1e-5) -> None:
+    assert torch.allclose(actual, torch.tensor(expected, dtype=actual.dtype), atol=tol), actual
+
+
+def test_grpo_with_std() -> None:
+    # group 0: mean 1/3, centred [2/3, -1/3, -1/3], unbiased var (4/9 + 1/9 + 1/9) / 2 = 1/3, std 0.57735
+    #   -> [0.6667 / 0.57735, -0.3333 / 0.57735, ...] = [1.1547, -0.57735, -0.57735]
+    # group 3: mean 2, centred [-1, 1], var 2 / 1 = 2, std 1.41421 -> [-0.70711, 0.70711]
+    # single-sample group 1 and zero-variance group 2 -> 0
+    adv = ADVANTAGES["grpo"](one_step_each())
+    close(adv, [1.1547, -0.57735, -0.57735, 0.0, 0.0, 0.0, -0.70711, 0.70711])
+
+
+def test_grpo_without_std_is_mean_centred() -> None:
+    adv = ADVANTAGES["grpo"](one_step_each(), scale_by_std=False)
+    close(adv, [2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0, -1.0, 1.0])
+
+
+def test_zero_variance_is_exactly_zero_even_with_rounding() -> None:
+    # 0.1 * 3 / 3 != 0.1 in floating point; the group still carries no signal and must give exactly 0
+    adv = group_normalize(torch.tensor([0.1, 0.1, 0.1]), torch.tensor([5, 5, 5]))
+    assert torch.equal(adv, torch.zeros(3))
+
+
+def test_rloo() -> None:
+    # group 0: 1 - (0 + 0)/2 = 1; 0 - (1 + 0)/2 = -0.5 (twice); group 3: 1 - 3 = -2, 3 - 1 = 2
+    adv = ADVANTAGES["rloo"](one_step_each())
+    close(adv, [1.0, -0.5, -0.5, 0.0, 0.0, 0.0, -2.0, 2.0])
+    assert torch.equal(leave_one_out(torch.tensor([4.0]), torch.tensor([0])), torch.zeros(1))
+
+
+def test_reinforce_pp_group_baseline_whitened_over_batch() -> None:
+    # centred by group mean: [2/3, -1/3, -1/3, 0, 0, 0, -1, 1]; batch mean 0,
+    # Σ sq = 4/9 + 1/9 + 1/9 + 1 + 1 = 2.6667; unbiased var 2.6667 / 7 = 0.380952; std 0.617213
+    # -> 0.6667 / 0.617213 = 1.08012, 0.3333 / 0.617213 = 0.54006, 1 / 0.617213 = 1.62019
+    adv = ADVANTAGES["reinforce_pp"](one_step_each())
+    close(adv, [1.08012, -0.54006, -0.54006, 0.0, 0.0, 0.0, -1.62019, 1.62019])
+
+
+def test_reinforce_pp_batch_baseline() -> None:
+    # R = [1, 3], batch mean 2, centred [-1, 1], std sqrt(2) -> [-0.70711, 0.70711]; groups ignored
+    adv = ADVANTAGES["reinforce_pp"](one_step_each(torch.tensor([1.0, 3.0]), torch.tensor([0, 1])), group_baseline=False)
+    close(adv, [-0.70711, 0.70711])
+    single = ADVANTAGES["reinforce_pp"](one_step_each(torch.tensor([1.0]), torch.tensor([0])))
+    assert torch.equal(single, torch.zeros(1))
+
+
+def gae_inputs() -> AdvantageInputs:
+    # trajectory 3 (episode 0, outcome 1): 3 steps, V = [0.5, 0.2, 0.4], dense r = [0, 0.1, 0]
+    # trajectory 7 (episode 1, outcome 0): 2 steps given out of order (position 1 first), V = [0.1, 0.3]
+    return AdvantageInputs(
+        outcome=torch.tensor([1.0, 0.0]),
+        episode_group=torch.tensor([0, 0]),
+        step_episode=torch.tensor([0, 1, 0, 1, 0]),
+        step_traj=torch.tensor([3, 7, 3, 7, 3]),
+        step_position=torch.tensor([0, 1, 1, 0, 2]),
+        step_reward=torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0]),
+        values=torch.tensor([0.5, 0.3, 0.2, 0.1, 0.4]),
+    )
+
+
+def test_step_gae() -> None:
+    # γ = 0.9, λ = 0.5, γλ = 0.45. Trajectory 3: r = [0, 0.1, 0 + outcome 1]
+    #   δ2 = 1 + 0 - 0.4 = 0.6;  δ1 = 0.1 + 0.9·0.4 - 0.2 = 0.26;  δ0 = 0 + 0.9·0.2 - 0.5 = -0.32
+    #   A2 = 0.6;  A1 = 0.26 + 0.45·0.6 = 0.53;  A0 = -0.32 + 0.45·0.53 = -0.0815
+    # Trajectory 7: δ1 = 0 + 0 - 0.3 = -0.3;  δ0 = 0 + 0.9·0.3 - 0.1 = 0.17
+    #   A1 = -0.3;  A0 = 0.17 + 0.45·(-0.3) = 0.035
+    # rows in input order: (3,0) (7,1) (3,1) (7,0) (3,2)
+    x = gae_inputs()
+    close(ADVANTAGES["gae"](x, gamma=0.9, lam=0.5), [-0.0815, -0.3, 0.53, 0.035, 0.6])
+    # targets = A + V: [-0.0815 + 0.5, -0.3 + 0.3, 0.53 + 0.2, 0.035 + 0.1, 0.6 + 0.4]
+    close(value_targets(x, gamma=0.9, lam=0.5), [0.4185, 0.0, 0.73, 0.135, 1.0])
+
+
+def test_gae_with_lambda_one_is_monte_carlo_minus_value() -> None:
+    # γ = λ = 1: A_t = (Σ_{k≥t} r_k) - V_t. Trajectory 3: returns [1.1, 1.1, 1.0] - V [0.5, 0.2, 0.4]
+    # = [0.6, 0.9, 0.6]; trajectory 7: returns [0, 0] - V [0.1, 0.3] (positions 0, 1)
+    close(ADVANTAGES["gae"](gae_inputs(), gamma=1.0, lam=1.0), [0.6, -0.3, 0.9, -0.1, 0.6])
+
+
+def test_gae_needs_values() -> None:
+    with pytest.raises(ValueError, match="values"):
+        ADVANTAGES["gae"](one_step_each())
+
+
+def test_positions_must_be_contiguous() -> None:
+    x = AdvantageInputs(torch.tensor([1.0]), torch.tensor([0]), torch.tensor([0, 0]), torch.tensor([0, 0]),
+                        torch.tensor([0, 2]), values=torch.zeros(2))
+    with pytest.raises(ValueError, match="step_position"):
+        ADVANTAGES["gae"](x)
+
+
+def two_episodes_dense() -> AdvantageInputs:
+    # episode 0 (outcome 1): 3 steps with dense rewards [0.2, 0, 0.5]; episode 1 (outcome 0): 1 step, r 0
+    return AdvantageInputs(
+        outcome=torch.tensor([1.0, 0.0]),
+        episode_group=torch.tensor([0, 0]),
+        step_episode=torch.tensor([0, 0, 0, 1]),
+        step_traj=torch.tensor([0, 0, 0, 1]),
+        step_position=torch.tensor([0, 1, 2, 0]),
+        step_reward=torch.tensor([0.2, 0.0, 0.5, 0.0]),
+    )
+
+
+def test_dense_rewards_discounted_outcome_not() -> None:
+    # γ_d = 0.5: G2 = 0.5; G1 = 0 + 0.5·0.5 = 0.25; G0 = 0.2 + 0.5·0.25 = 0.325
+    # outcome term (mean-centred, group {1, 0}): +0.5 on every step of episode 0, -0.5 on episode 1
+    adv = ADVANTAGES["dense"](two_episodes_dense(), gamma_dense=0.5)
+    close(adv, [0.825, 0.75, 1.0, -0.5])
+
+
+def test_turn_discount() -> None:
+    # γ = 0.5, outcome advantage (no std) +0.5 for episode 0 (T = 3), -0.5 for episode 1 (T = 1)
+    # A_t = γ^(T-1-t)·A: [0.25·0.5, 0.5·0.5, 1·0.5, 1·(-0.5)]
+    adv = ADVANTAGES["turn_discount"](two_episodes_dense(), gamma=0.5, scale_by_std=False)
+    close(adv, [0.125, 0.25, 0.5, -0.5])
+
+
+def test_forks_share_the_episode_outcome() -> None:
+    # episode 0 forked into trajectories 0 and 1 (2 steps each); GRPO gives every step of it the same A
+    x = AdvantageInputs(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.tensor([0, 0, 0, 0, 1]),
+                        torch.tensor([0, 0, 1, 1, 2]), torch.tensor([0, 1, 0, 1, 0]))
+    close(ADVANTAGES["grpo"](x, scale_by_std=False), [0.5, 0.5, 0.5, 0.5, -0.5])
+
+
+def test_no_nan_anywhere_on_degenerate_batches() -> None:
+    x = one_step_each(torch.tensor([3.0]), torch.tensor([0]))
+    for name, fn in ADVANTAGES.items():
+        if name == "gae":
+            x = AdvantageInputs(**{**x.__dict__, "values": torch.tensor([0.0])})
+        adv = fn(x)
+        assert not torch.isnan(adv).any(), name
+        assert math.isfinite(float(adv.sum()))
+
+
+def test_group_index_from_keys() -> None:
+    assert group_index(["a::h1", "b::h1", "a::h1", "a::h2"]).tolist() == [0, 1, 0, 2]

@@ -1,0 +1,23 @@
+"""Step-level RL algorithms as pure functions of tensors, with registries (name -> function).
+
+Shapes: N flattened action tokens (segment ids `step_ids`, `traj_ids`, `episode_ids`, long [N]),
+S steps, E episodes. See /work/notes/trainer-algorithms.md and DESIGN.md §4.
+"""
+
+from trainer.algorithms.advantages import (
+    ADVANTAGES,
+    AdvantageInputs,
+    group_index,
+    group_normalize,
+    leave_one_out,
+    value_targets,
+)
+
+__all__ = [
+    "ADVANTAGES",
+    "AdvantageInputs",
+    "group_index",
+    "group_normalize",
+    "leave_one_out",
+    "value_targets",
+]

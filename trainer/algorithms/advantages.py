@@ -1,0 +1,202 @@
+"""Advantage estimators: per-step advantages [S] from episode outcomes, dense step rewards and values.
+
+Every registered estimator has the signature `fn(x: AdvantageInputs, **hyper) -> Tensor float [S]`
+(no gradient); the trainer broadcasts to tokens with `adv[step_ids]`. Groups are task × harness
+(DESIGN.md §3): baselines never mix harnesses. A group of one sample, or one whose rewards are all
+equal, carries no signal and gets advantage 0 (never NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trainer.algorithms._segments import compact, segment_count, segment_max, segment_min, segment_sum
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """The tensors every estimator reads. E episodes, S steps (one row per (trajectory, call))."""
+
+    outcome: Tensor  # float [E]: terminal reward of each episode
+    episode_group: Tensor  # long [E]: group index (task × harness) of each episode
+    step_episode: Tensor  # long [S]: episode of each step
+    step_traj: Tensor  # long [S]: trajectory of each step (any ids; a fork is its own trajectory)
+    step_position: Tensor  # long [S]: 0..T-1, the step's index within its trajectory
+    step_reward: Tensor | None = None  # float [S]: dense per-step reward (None = no dense rewards)
+    values: Tensor | None = None  # float [S]: critic V(s_t) at each step's state boundary (GAE only)
+
+
+def group_index(keys: Sequence[str]) -> Tensor:
+    """Dense group indices long [E] from group keys such as "task::harness" (first seen = 0)."""
+    seen: dict[str, int] = {}
+    return torch.tensor([seen.setdefault(k, len(seen)) for k in keys], dtype=torch.long)
+
+
+# --- episode-level building blocks ------------------------------------------------------------
+
+
+def group_normalize(outcome: Tensor, group: Tensor, *, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO outcome advantage per episode (Shao et al. 2024, DeepSeekMath).
+
+    A_i = (R_i − mean_g R) / (std_g R + eps) with the unbiased std (as TRL/verl), or A_i = R_i − mean_g R
+    when `scale_by_std` is False (Dr. GRPO, Liu et al. 2025). outcome [E], group long [E] -> [E].
+    Groups of one and groups whose rewards are all equal give exactly 0.
+    """
+    g, num = compact(group)
+    n = segment_count(g, num).to(outcome.dtype)
+    centred = outcome - (segment_sum(outcome, g, num) / n)[g]
+    if scale_by_std:
+        var = segment_sum(centred**2, g, num) / (n - 1).clamp(min=1)
+        centred = centred / (var.sqrt()[g] + eps)
+    varies = segment_max(outcome, g, num) > segment_min(outcome, g, num)
+    return torch.where(varies[g], centred, torch.zeros_like(centred))
+
+
+def leave_one_out(outcome: Tensor, group: Tensor) -> Tensor:
+    """RLOO advantage per episode (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics").
+
+    A_i = R_i − (Σ_{j∈g} R_j − R_i) / (n_g − 1): the baseline is the mean of the other samples of the
+    group, so it is independent of the sample itself. outcome [E], group long [E] -> [E]; n_g = 1 -> 0.
+    """
+    g, num = compact(group)
+    n = segment_count(g, num).to(outcome.dtype)[g]
+    others = (segment_sum(outcome, g, num)[g] - outcome) / (n - 1).clamp(min=1)
+    return torch.where(n > 1, outcome - others, torch.zeros_like(outcome))
+
+
+# --- trajectory grid: steps laid out [trajectories, T_max] for backward recursions ---------------
+
+
+def _grid(x: AdvantageInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """(traj row [S], trajectory length per step [S], is-last-step [S]); checks positions are 0..T-1."""
+    row, num = compact(x.step_traj)
+    length = segment_max(x.step_position.to(torch.float64), row, num).long() + 1
+    if not torch.equal(segment_count(row, num).long(), length):
+        raise ValueError("step_position must number each trajectory's steps 0..T-1 exactly once")
+    return row, length[row], x.step_position == length[row] - 1
+
+
+def _discounted_suffix_sum(values: Tensor, row: Tensor, pos: Tensor, discount: float) -> Tensor:
+    """G_t = v_t + discount · G_{t+1} within each trajectory (G_T = 0). values [S] -> [S].
+
+    Vectorised over trajectories: scatter into a zero-padded [rows, T_max] grid and sweep T_max columns
+    right to left; padding is 0 so a trajectory's recursion starts from 0 after its last step.
+    """
+    rows = int(row.max()) + 1 if row.numel() else 0
+    grid = torch.zeros(rows, int(pos.max()) + 1 if pos.numel() else 0, dtype=values.dtype, device=values.device)
+    grid[row, pos] = values
+    out = torch.zeros_like(grid)
+    running = torch.zeros(rows, dtype=values.dtype, device=values.device)
+    for t in range(grid.shape[1] - 1, -1, -1):
+        running = grid[:, t] + discount * running
+        out[:, t] = running
+    return out[row, pos]
+
+
+def _step_rewards(x: AdvantageInputs) -> Tensor:
+    return torch.zeros_like(x.step_position, dtype=x.outcome.dtype) if x.step_reward is None else x.step_reward
+
+
+# --- registered estimators: (x, **hyper) -> [S] ------------------------------------------------
+
+
+@torch.no_grad()
+def grpo(x: AdvantageInputs, *, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO (Shao et al. 2024): every step of episode i gets A_i = (R_i − mean_g R) / (std_g R + eps)."""
+    return group_normalize(x.outcome, x.episode_group, scale_by_std=scale_by_std, eps=eps)[x.step_episode]
+
+
+@torch.no_grad()
+def rloo(x: AdvantageInputs) -> Tensor:
+    """RLOO (Ahmadian et al. 2024): every step of episode i gets R_i − mean of the group's other R_j."""
+    return leave_one_out(x.outcome, x.episode_group)[x.step_episode]
+
+
+@torch.no_grad()
+def reinforce_pp(x: AdvantageInputs, *, group_baseline: bool = True, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262): A_i = (R_i − b_i) / (std_batch(R − b) + eps).
+
+    b_i = group mean of R (group_baseline) or the batch mean; the centred rewards are then scaled by
+    their std over the batch's episodes (the paper whitens over tokens; per episode keeps every
+    episode equal, DESIGN.md §3). Not re-centred, so zero-variance groups stay exactly 0.
+    """
+    if group_baseline:
+        centred = group_normalize(x.outcome, x.episode_group, scale_by_std=False)
+    else:
+        centred = x.outcome - x.outcome.mean()
+    if centred.numel() < 2:
+        return torch.zeros_like(centred)[x.step_episode]
+    return (centred / (centred.std() + eps))[x.step_episode]
+
+
+@torch.no_grad()
+def step_gae(x: AdvantageInputs, *, gamma: float = 1.0, lam: float = 0.95) -> Tensor:
+    """Step-level GAE (Schulman et al. 2016, applied per step as in StepPO; DESIGN.md §3).
+
+    Per trajectory with steps t = 0..T-1: r_t = dense step reward, plus the outcome on the last step;
+    δ_t = r_t + γ V(s_{t+1}) − V(s_t) with V(s_T) = 0 (terminal bootstraps 0);
+    A_t = Σ_k (γλ)^k δ_{t+k}. V(s_t) = x.values [S], read at the step's state boundary.
+    """
+    if x.values is None:
+        raise ValueError("gae needs values [S] from the critic")
+    row, _, last = _grid(x)
+    reward = _step_rewards(x) + torch.where(last, x.outcome[x.step_episode], torch.zeros_like(x.values))
+    next_value = _shift_next(x.values, row, x.step_position)  # V(s_{t+1}); 0 after the last step
+    delta = reward + gamma * next_value - x.values
+    return _discounted_suffix_sum(delta, row, x.step_position, gamma * lam)
+
+
+def _shift_next(values: Tensor, row: Tensor, pos: Tensor) -> Tensor:
+    """Values of step t+1 in the same trajectory, [S]; 0 after the last step (the padding is 0)."""
+    if values.numel() == 0:
+        return values
+    grid = torch.zeros(int(row.max()) + 1, int(pos.max()) + 2, dtype=values.dtype, device=values.device)
+    grid[row, pos] = values
+    return grid[row, pos + 1]
+
+
+@torch.no_grad()
+def value_targets(x: AdvantageInputs, *, gamma: float = 1.0, lam: float = 0.95) -> Tensor:
+    """Critic regression targets [S]: the λ-return G^λ_t = A^GAE_t + V(s_t) (Schulman et al. 2016)."""
+    if x.values is None:
+        raise ValueError("value targets need values [S] from the critic")
+    return step_gae(x, gamma=gamma, lam=lam) + x.values
+
+
+@torch.no_grad()
+def dense(x: AdvantageInputs, *, gamma_dense: float = 0.9, scale_by_std: bool = False, eps: float = 1e-6) -> Tensor:
+    """Dense step rewards with their own discount next to an undiscounted outcome (asymmetric discount).
+
+    A_t = Σ_{k≥t} γ_d^{k−t} r_k  +  (R_i − mean_g R) [/ (std_g R + eps)]: the dense return of the step's
+    remaining trajectory (process rewards, discounted so a step is credited mostly for what follows
+    soon after it) plus the GRPO outcome advantage, which every step of the episode shares undiscounted.
+    """
+    row, _, _ = _grid(x)
+    dense_return = _discounted_suffix_sum(_step_rewards(x), row, x.step_position, gamma_dense)
+    return dense_return + grpo(x, scale_by_std=scale_by_std, eps=eps)
+
+
+@torch.no_grad()
+def turn_discount(x: AdvantageInputs, *, gamma: float = 0.9, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """Turn-level discounting of the outcome: A_t = γ^(T−1−t) · A_i, with A_i the GRPO outcome advantage.
+
+    The discounted return of a terminal reward seen from step t of a T-step trajectory (Sutton & Barto
+    §3.3, counted in turns rather than tokens): late turns, nearer the outcome, get more of its credit.
+    """
+    _, length, _ = _grid(x)
+    power = (length - 1 - x.step_position).to(x.outcome.dtype)
+    return torch.pow(torch.tensor(gamma, dtype=x.outcome.dtype), power) * grpo(x, scale_by_std=scale_by_std, eps=eps)
+
+
+ADVANTAGES: dict[str, Callable[..., Tensor]] = {
+    "grpo": grpo,
+    "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
+    "gae": step_gae,
+    "dense": dense,
+    "turn_discount": turn_discount,
+}
