@@ -1,0 +1,1 @@
+"""Agent harnesses: separate programs that reach Stepline only over HTTP (see agents/README.md)."""
