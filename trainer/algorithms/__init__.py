@@ -12,6 +12,7 @@ from trainer.algorithms.advantages import (
     leave_one_out,
     value_targets,
 )
+from trainer.algorithms.ratios import RATIOS, segment_ratio, sequence_ratio, step_ratio, token_ratio
 
 __all__ = [
     "ADVANTAGES",
@@ -20,4 +21,9 @@ __all__ = [
     "group_normalize",
     "leave_one_out",
     "value_targets",
+    "RATIOS",
+    "segment_ratio",
+    "sequence_ratio",
+    "step_ratio",
+    "token_ratio",
 ]
