@@ -1,0 +1,50 @@
+"""Engine adapters (SGLang / built-in `/generate`, vLLM `/v1/completions`) and the router.
+
+Exception tree: see `gateway.engines.base`.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+from gateway.engines.base import (
+    EngineClient,
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+    Generation,
+    SamplingParams,
+    StreamDelta,
+)
+from gateway.engines.router import EngineRouter
+from gateway.engines.sglang import SGLangEngine
+from gateway.engines.vllm import VLLMEngine
+
+ENGINE_KINDS = ("builtin", "sglang", "vllm")
+
+
+def make_engine(url: str, kind: str, http: aiohttp.ClientSession, timeout: float = 600.0) -> EngineClient:
+    """An adapter for the engine at `url`. kind: builtin | sglang (both `/generate`) | vllm."""
+    if kind in ("builtin", "sglang"):
+        return SGLangEngine(url, http, timeout, kind=kind)
+    if kind == "vllm":
+        return VLLMEngine(url, http, timeout)
+    raise ValueError(f"unknown engine kind {kind!r}; expected one of {', '.join(ENGINE_KINDS)}")
+
+
+__all__ = [
+    "ENGINE_KINDS",
+    "EngineClient",
+    "EngineError",
+    "EngineRejected",
+    "EngineRouter",
+    "EngineTimeout",
+    "EngineUnavailable",
+    "Generation",
+    "SGLangEngine",
+    "SamplingParams",
+    "StreamDelta",
+    "VLLMEngine",
+    "make_engine",
+]

@@ -1,0 +1,295 @@
+"""`FakeEngine`: a real HTTP server speaking SGLang's `/generate` (or vLLM's `/v1/completions`) wire
+format with outputs chosen by the test. Used by the gateway's tests and its benchmark.
+
+    async with FakeEngine(script=[Scripted([5, 6, 2])], eos_id=2) as url: ...
+
+Each `/generate` takes the next `Scripted` output (or, when the script is empty, `default_tokens`
+ids derived from the prompt), then applies the request's sampling parameters the way an engine does:
+cut after the first stop token id / EOS (finish "stop", matched = that id, the id kept in output_ids,
+left out of the text), else cut at max_new_tokens (finish "length"). Logprobs default to
+-(k + 1) / 100 for the k-th output token, so a test can check which logprob went with which id.
+
+Run standalone (for benchmarks): `python -m gateway.testing --port 30000 --tokens 16`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+
+@dataclass
+class Scripted:
+    output_ids: list[int]
+    logprobs: list[float] | None = None  # default -(k + 1) / 100
+    text: str | None = None  # the text without a matched stop token; default decode(output_ids)
+    finish_reason: str = "stop"  # used when neither a stop token nor max_new_tokens cut the output
+
+
+@dataclass
+class _Result:
+    ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish: dict[str, Any]
+
+
+def _default_decode(ids: list[int]) -> str:
+    return "".join(f"<{i}>" for i in ids)
+
+
+@dataclass
+class FakeEngine:
+    script: Iterable[Scripted] = ()
+    api: str = "sglang"  # "sglang" (/generate, also the built-in engine's format) | "vllm"
+    eos_id: int | None = None
+    default_tokens: int = 8
+    latency: float = 0.0  # seconds before the answer (or the first stream event)
+    token_delay: float = 0.0  # seconds between stream events
+    incremental: bool = False  # SGLang --incremental-streaming-output (default: cumulative events)
+    decode: Callable[[list[int]], str] = _default_decode
+    fail_next: list[int] = field(default_factory=list)  # HTTP statuses to answer the next calls with
+    fail_updates: int = 0  # weight updates to refuse (success: false) before accepting
+    update_delay: float = 0.0
+    model_name: str = "fake-model"
+    keep_requests: bool = True  # keep every request body in `requests` (off for benchmarks)
+    # observable state
+    weight_version: int = 0
+    paused: bool = False
+    requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (path, body) of each call
+    events: list[str] = field(default_factory=list)  # "generate", "pause", "update:<v>", "resume", in order
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        self.queue: deque[Scripted] = deque(self.script)
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    # --- lifecycle ---
+    async def __aenter__(self) -> str:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/health", self._health)
+        if self.api == "vllm":
+            app.router.add_post("/v1/completions", self._completions)
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_post("/collective_rpc", self._collective_rpc)
+            app.router.add_post("/reset_prefix_cache", self._ok)
+        else:
+            app.router.add_post("/generate", self._generate)
+            app.router.add_post("/update_weights_from_disk", self._update_weights)
+            app.router.add_post("/pause_generation", self._pause)
+            app.router.add_post("/continue_generation", self._continue)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound = self._runner.addresses[0]
+        self.url = f"http://{bound[0]}:{bound[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- the sampling a real engine would do ---
+    def _sample(self, input_ids: list[int], params: dict[str, Any]) -> _Result:
+        scripted = self.queue.popleft() if self.queue else None
+        if scripted is None:
+            base = len(input_ids)
+            scripted = Scripted([10 + (base + k) % 1000 for k in range(self.default_tokens)], finish_reason="length")
+        ids = list(scripted.output_ids)
+        lps = list(scripted.logprobs) if scripted.logprobs is not None else [-(k + 1) / 100 for k in range(len(ids))]
+        stops = set(params.get("stop_token_ids") or [])
+        if self.eos_id is not None and not params.get("ignore_eos"):
+            stops.add(self.eos_id)
+        finish: dict[str, Any] = {"type": scripted.finish_reason, "matched": None}
+        shown = ids
+        for k, tok in enumerate(ids):
+            if tok in stops:
+                ids, lps, shown = ids[: k + 1], lps[: k + 1], ids[:k]
+                finish = {"type": "stop", "matched": tok}
+                break
+        limit = int(params.get("max_new_tokens", params.get("max_tokens", 256)) or 0)
+        if len(ids) > limit:
+            ids, lps, shown = ids[:limit], lps[:limit], shown[:limit]
+            finish = {"type": "length", "length": limit}
+        cut_by_length = finish["type"] == "length" and len(shown) < len(scripted.output_ids)
+        text = scripted.text if scripted.text is not None and not cut_by_length else self.decode(shown)
+        return _Result(ids, lps, text, finish)
+
+    def _meta(self, res: _Result, n: int, prompt_len: int, final: bool) -> dict[str, Any]:
+        return {
+            "finish_reason": res.finish if final else None,
+            "prompt_tokens": prompt_len,
+            "completion_tokens": n,
+            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(res.logprobs[:n], res.ids[:n])],
+            "weight_version": str(self.weight_version),
+        }
+
+    async def _begin(self, request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
+        body = orjson.loads(await request.read())
+        if self.keep_requests:
+            self.requests.append((request.path, body))
+            self.events.append("generate")
+        if self.fail_next:
+            status = self.fail_next.pop(0)
+            return body, web.json_response({"error": {"message": f"scripted failure {status}"}}, status=status)
+        if self.latency:
+            await asyncio.sleep(self.latency)
+        return body, None
+
+    # --- SGLang /generate ---
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            body, failure = await self._begin(request)
+            if failure is not None:
+                return failure
+            ids_in = body["input_ids"]
+            res = self._sample(ids_in, body.get("sampling_params") or {})
+            if not body.get("stream"):
+                out = {"text": res.text, "output_ids": res.ids, "meta_info": self._meta(res, len(res.ids), len(ids_in), True)}
+                return web.Response(body=orjson.dumps(out), content_type="application/json")
+            return await self._sglang_stream(request, res, len(ids_in))
+        finally:
+            self.in_flight -= 1
+
+    async def _sglang_stream(self, request: web.Request, res: _Result, prompt_len: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n_text = len(res.text)
+        for n in range(1, len(res.ids) + 1):
+            final = n == len(res.ids)
+            # the text is revealed in proportion to the tokens (all of it on the last event)
+            upto = n_text if final else n_text * n // max(len(res.ids), 1)
+            meta = self._meta(res, n, prompt_len, final)
+            if self.incremental:
+                prev = n_text * (n - 1) // max(len(res.ids), 1)
+                event = {"text": res.text[prev:upto], "output_ids": res.ids[n - 1 : n], "meta_info": {**meta, "output_token_logprobs": meta["output_token_logprobs"][n - 1 :]}}
+            else:
+                event = {"text": res.text[:upto], "output_ids": res.ids[:n], "meta_info": meta}
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            if self.token_delay and not final:
+                await asyncio.sleep(self.token_delay)
+        if not res.ids:
+            event = {"text": res.text, "output_ids": [], "meta_info": self._meta(res, 0, prompt_len, True)}
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _update_weights(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.requests.append((request.path, body))
+        if self.update_delay:
+            await asyncio.sleep(self.update_delay)
+        if self.fail_updates > 0:
+            self.fail_updates -= 1
+            return web.json_response({"success": False, "message": f"cannot load {body.get('model_path')}"}, status=400)
+        self.weight_version = int(body.get("weight_version", self.weight_version + 1))
+        self.events.append(f"update:{self.weight_version}")
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        self.paused = True
+        self.events.append("pause")
+        return web.json_response({"success": True})
+
+    async def _continue(self, request: web.Request) -> web.Response:
+        self.paused = False
+        self.events.append("resume")
+        return web.json_response({"success": True})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
+
+    # --- vLLM /v1/completions ---
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
+
+    async def _collective_rpc(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.requests.append((request.path, body))
+        if self.fail_updates > 0:
+            self.fail_updates -= 1
+            return web.json_response({"error": "reload failed"}, status=500)
+        self.weight_version += 1
+        self.events.append(f"update:{self.weight_version}")
+        return web.json_response({"results": [None]})
+
+    def _vllm_choice(self, res: _Result, ids: list[int], lps: list[float], text: str, final: bool) -> dict[str, Any]:
+        finish = res.finish["type"] if final else None
+        return {
+            "index": 0,
+            "text": text,
+            "token_ids": ids,
+            "logprobs": {"tokens": [f"<{t}>" for t in ids], "token_logprobs": lps, "top_logprobs": None, "text_offset": []},
+            "finish_reason": finish,
+            "stop_reason": res.finish.get("matched") if final and res.finish.get("matched") != self.eos_id else None,
+        }
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body, failure = await self._begin(request)
+        if failure is not None:
+            return failure
+        prompt = body["prompt"]
+        res = self._sample(prompt, body)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(res.ids), "total_tokens": len(prompt) + len(res.ids)}
+        if not body.get("stream"):
+            out = {"id": "cmpl-fake", "object": "text_completion", "model": self.model_name,
+                   "choices": [self._vllm_choice(res, res.ids, res.logprobs, res.text, True)], "usage": usage}
+            return web.Response(body=orjson.dumps(out), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n_text, n_ids = len(res.text), max(len(res.ids), 1)
+        for k in range(len(res.ids)):
+            final = k == len(res.ids) - 1
+            text = res.text[n_text * k // n_ids : (n_text if final else n_text * (k + 1) // n_ids)]
+            choice = self._vllm_choice(res, res.ids[k : k + 1], res.logprobs[k : k + 1], text, final)
+            await resp.write(b"data: " + orjson.dumps({"choices": [choice], "usage": None}) + b"\n\n")
+            if self.token_delay and not final:
+                await asyncio.sleep(self.token_delay)
+        await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Serve a FakeEngine (SGLang /generate wire format).")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--tokens", type=int, default=8, help="output tokens per call")
+    parser.add_argument("--api", default="sglang", choices=["sglang", "vllm"])
+    args = parser.parse_args()
+
+    async def serve() -> None:
+        engine = FakeEngine(api=args.api, default_tokens=args.tokens, keep_requests=False)
+        url = await engine.start(args.host, args.port)
+        print(f"fake engine on {url}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

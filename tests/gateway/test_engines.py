@@ -1,0 +1,193 @@
+"""Engine adapters against FakeEngine over real loopback HTTP: one suite for every wire format."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from gateway.engines import (
+    EngineError,
+    EngineRejected,
+    EngineRouter,
+    EngineTimeout,
+    EngineUnavailable,
+    SamplingParams,
+    make_engine,
+)
+from gateway.testing import FakeEngine, Scripted
+
+# (kind, FakeEngine api, SGLang incremental streaming)
+FORMATS = [("sglang", "sglang", False), ("builtin", "sglang", True), ("vllm", "vllm", False)]
+PROMPT = [1, 2, 3, 4]
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.mark.parametrize("kind,api,incremental", FORMATS)
+async def test_generate_keeps_stop_token_in_ids_not_text(http, kind, api, incremental) -> None:
+    # scripted 5 6 2 7 with EOS 2: the engine stops after 2; ids keep it, text drops it
+    async with FakeEngine([Scripted([5, 6, 2, 7])], api=api, eos_id=2, incremental=incremental) as url:
+        gen = await make_engine(url, kind, http, timeout=5).generate(PROMPT, SamplingParams(max_new_tokens=10))
+    assert gen.output_ids == [5, 6, 2]
+    assert gen.logprobs == [-0.01, -0.02, -0.03]
+    assert gen.text == "<5><6>"
+    assert (gen.finish_reason, gen.matched_stop) == ("stop", 2)
+    assert gen.prompt_tokens == 4
+    assert gen.weight_version == 0
+
+
+@pytest.mark.parametrize("kind,api,incremental", FORMATS)
+async def test_generate_sends_token_ids_and_sampling(http, kind, api, incremental) -> None:
+    fake = FakeEngine([Scripted([5, 6, 7])], api=api)
+    sampling = SamplingParams(max_new_tokens=2, temperature=0.5, top_p=0.9, top_k=40, stop=["x"], stop_token_ids=[9], seed=7)
+    async with fake as url:
+        gen = await make_engine(url, kind, http, timeout=5).generate(PROMPT, sampling)
+    assert (gen.output_ids, gen.finish_reason) == ([5, 6], "length")
+    path, body = fake.requests[-1]
+    if api == "sglang":
+        assert path == "/generate" and body["input_ids"] == PROMPT and body["return_logprob"] is True
+        sp = body["sampling_params"]
+        assert (sp["max_new_tokens"], sp["temperature"], sp["top_p"], sp["top_k"]) == (2, 0.5, 0.9, 40)
+        assert (sp["stop"], sp["stop_token_ids"], sp["sampling_seed"]) == (["x"], [9], 7)
+    else:
+        assert path == "/v1/completions" and body["prompt"] == PROMPT and body["return_token_ids"] is True
+        assert (body["max_tokens"], body["seed"], body["logprobs"], body["model"]) == (2, 7, 1, "fake-model")
+
+
+@pytest.mark.parametrize("kind,api,incremental", FORMATS)
+async def test_stream_deltas_add_up_to_the_generation(http, kind, api, incremental) -> None:
+    script = [Scripted([5, 6, 7, 2], text="abc")] * 2
+    async with FakeEngine(script, api=api, eos_id=2, incremental=incremental) as url:
+        engine = make_engine(url, kind, http, timeout=5)
+        whole = await engine.generate(PROMPT, SamplingParams())
+        deltas = [d async for d in engine.stream(PROMPT, SamplingParams())]
+    assert [d.output_ids for d in deltas if d.output_ids] == [[5], [6], [7], [2]]  # one token per event
+    assert sum((d.logprobs for d in deltas), []) == [-0.01, -0.02, -0.03, -0.04]
+    assert "".join(d.text for d in deltas) == "abc"
+    assert [d.final is not None for d in deltas][-1] is True
+    assert all(d.final is None for d in deltas[:-1])
+    assert deltas[-1].final == whole
+
+
+@pytest.mark.parametrize("kind,api,incremental", FORMATS)
+@pytest.mark.parametrize(
+    "status,error,code", [(400, EngineRejected, 400), (500, EngineError, 502), (503, EngineUnavailable, 503)]
+)
+async def test_engine_http_errors_are_translated_and_not_retried(http, kind, api, incremental, status, error, code) -> None:
+    fake = FakeEngine(api=api, fail_next=[status])
+    async with fake as url:
+        with pytest.raises(error) as caught:
+            await make_engine(url, kind, http, timeout=5).generate(PROMPT, SamplingParams())
+    assert type(caught.value) is error and caught.value.status == code
+    assert "scripted failure" in caught.value.message
+    assert len([p for p, _ in fake.requests if p != "/v1/models"]) == 1  # an HTTP answer is never retried
+
+
+@pytest.mark.parametrize("kind,api,incremental", FORMATS)
+async def test_stream_error_status_is_translated(http, kind, api, incremental) -> None:
+    async with FakeEngine(api=api, fail_next=[400]) as url:
+        with pytest.raises(EngineRejected):
+            [d async for d in make_engine(url, kind, http, timeout=5).stream(PROMPT, SamplingParams())]
+
+
+async def test_unreachable_engine_is_unavailable_after_bounded_retries(http) -> None:
+    fake = FakeEngine()
+    url = await fake.start()
+    await fake.stop()  # nothing listens on the port any more: connection refused
+    engine = make_engine(url, "sglang", http, timeout=5)
+    with pytest.raises(EngineUnavailable) as caught:
+        await engine.generate(PROMPT, SamplingParams())
+    assert caught.value.status == 503 and caught.value.retry_after > 0
+    with pytest.raises(EngineUnavailable):
+        [d async for d in engine.stream(PROMPT, SamplingParams())]
+    assert await engine.health() is False
+
+
+async def test_slow_engine_times_out(http) -> None:
+    async with FakeEngine(latency=1.0) as url:
+        with pytest.raises(EngineTimeout) as caught:
+            await make_engine(url, "sglang", http, timeout=0.2).generate(PROMPT, SamplingParams())
+    assert caught.value.status == 504
+
+
+async def test_sglang_weight_update_pause_resume(http) -> None:
+    fake = FakeEngine()
+    async with fake as url:
+        engine = make_engine(url, "sglang", http, timeout=5)
+        await engine.pause()
+        await engine.update_weights("/ckpt/3", 3)
+        await engine.resume()
+        gen = await engine.generate(PROMPT, SamplingParams())
+    assert fake.events == ["pause", "update:3", "resume", "generate"]
+    assert ("/update_weights_from_disk", {"model_path": "/ckpt/3", "weight_version": "3"}) in fake.requests
+    assert gen.weight_version == 3
+
+
+async def test_failed_weight_update_raises_with_the_engine_message(http) -> None:
+    async with FakeEngine(fail_updates=1) as url:
+        engine = make_engine(url, "sglang", http, timeout=5)
+        with pytest.raises(EngineError, match="cannot load /bad"):
+            await engine.update_weights("/bad", 1)
+        assert (await engine.generate(PROMPT, SamplingParams())).weight_version == 0
+
+
+async def test_vllm_weight_update_uses_collective_rpc(http) -> None:
+    fake = FakeEngine(api="vllm")
+    async with fake as url:
+        engine = make_engine(url, "vllm", http, timeout=5)
+        await engine.update_weights("/served/dir", 4)
+        gen = await engine.generate(PROMPT, SamplingParams())
+    assert ("/collective_rpc", {"method": "reload_weights", "args": []}) in fake.requests
+    assert gen.weight_version == 4
+
+
+def test_unknown_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown engine kind 'tgi'"):
+        make_engine("http://x", "tgi", None, 1.0)  # type: ignore[arg-type]
+
+
+async def test_router_is_sticky_and_fails_over_new_sessions(http) -> None:
+    async with FakeEngine() as url_a, FakeEngine() as url_b:
+        a, b = make_engine(url_a, "sglang", http, 5), make_engine(url_b, "sglang", http, 5)
+        router = EngineRouter([a, b], health_interval=0.05)
+        await router.start()
+        try:
+            first = {s: router.for_session(s) for s in (f"s{i}" for i in range(20))}
+            assert {c.url for c in first.values()} == {url_a, url_b}  # both engines get sessions
+            assert all(router.for_session(s) is c for s, c in first.items())  # sticky
+            on_a = [s for s, c in first.items() if c is a]
+            router.healthy[a.url] = False  # as a failed health check would
+            assert all(router.for_session(f"new{i}") is b for i in range(10))
+            assert all(router.for_session(s) is b for s in on_a)  # a dead engine cannot serve its sessions
+            router.healthy[b.url] = False
+            with pytest.raises(EngineUnavailable, match="no healthy engine"):
+                router.for_session("another")
+        finally:
+            await router.aclose()
+
+
+async def test_router_health_loop_notices_a_dead_engine(http) -> None:
+    import asyncio
+
+    dying = FakeEngine()
+    async with FakeEngine() as url_a:
+        url_b = await dying.start()
+        router = EngineRouter([make_engine(url_a, "sglang", http, 5), make_engine(url_b, "sglang", http, 5)], 0.05)
+        await router.start()
+        try:
+            assert router.healthy == {url_a: True, url_b: True}
+            await dying.stop()
+            for _ in range(100):
+                if not router.healthy[url_b]:
+                    break
+                await asyncio.sleep(0.02)
+            assert router.healthy == {url_a: True, url_b: False}
+            assert {router.for_session(f"s{i}").url for i in range(10)} == {url_a}
+        finally:
+            await router.aclose()
