@@ -12,6 +12,15 @@ from trainer.algorithms.advantages import (
     leave_one_out,
     value_targets,
 )
+from trainer.algorithms.losses import (
+    AGGREGATIONS,
+    Surrogate,
+    aggregate,
+    clipped_surrogate,
+    count_units,
+    masked_mean,
+    surrogate_stats,
+)
 from trainer.algorithms.ratios import RATIOS, segment_ratio, sequence_ratio, step_ratio, token_ratio
 
 __all__ = [
@@ -21,6 +30,13 @@ __all__ = [
     "group_normalize",
     "leave_one_out",
     "value_targets",
+    "AGGREGATIONS",
+    "Surrogate",
+    "aggregate",
+    "clipped_surrogate",
+    "count_units",
+    "masked_mean",
+    "surrogate_stats",
     "RATIOS",
     "segment_ratio",
     "sequence_ratio",

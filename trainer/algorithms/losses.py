@@ -1,0 +1,144 @@
+"""Policy losses: the clipped surrogate (clip-higher, dual-clip) and how per-token losses aggregate.
+
+`clipped_surrogate` returns a per-token loss [N] and where each clip was active; `aggregate` turns
+[N] into the scalar to minimise. Per-episode normalisation is the default: an episode that became
+many steps or forks weighs the same as a short one (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from trainer.algorithms._segments import compact, segment_mean, segment_sum
+
+
+class Surrogate(NamedTuple):
+    loss: Tensor  # float [N]: per-token loss to minimise (not masked, not aggregated)
+    clipped: Tensor  # bool [N]: the PPO clip was active (A>0 & r>1+ε_high, or A<0 & r<1−ε_low): no gradient
+    dual_clipped: Tensor  # bool [N]: A<0 & r>c: the loss is capped at −c·A, no gradient
+
+
+def clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = None
+) -> Surrogate:
+    """PPO clipped surrogate (Schulman et al. 2017) with decoupled clip range and optional dual-clip.
+
+    L_t = −min( r_t A_t, clip(r_t, 1−ε_low, 1+ε_high) A_t )   — ε_high > ε_low is DAPO's clip-higher
+    (Yu et al. 2025): low-probability tokens may grow further, which keeps entropy from collapsing.
+    Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"): for A_t < 0,
+    L_t = min(L_t, −c A_t) with c > 1, so a token whose ratio exploded cannot drive an unbounded update.
+    ratio [N] (grad), advantages [N] (treated as constants) -> Surrogate of [N] tensors.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    adv = advantages.detach()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    is_clipped = clipped > unclipped
+    is_dual = torch.zeros_like(is_clipped)
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        is_dual = (adv < 0) & (loss > cap)
+        loss = torch.where(is_dual, cap, loss)
+    return Surrogate(loss, is_clipped, is_dual)
+
+
+def masked_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Σ mask·x / Σ mask (0 when nothing is selected), scalar."""
+    if mask is None:
+        return x.mean() if x.numel() else x.sum()
+    w = mask.to(x.dtype)
+    return (x * w).sum() / w.sum().clamp(min=1.0)
+
+
+def surrogate_stats(s: Surrogate, mask: Tensor | None = None) -> dict[str, float]:
+    """Clip fractions over the selected tokens, for logging."""
+    return {
+        "clip_frac": float(masked_mean(s.clipped.float(), mask)),
+        "dual_clip_frac": float(masked_mean(s.dual_clipped.float(), mask)),
+    }
+
+
+# --- aggregation: [N] -> scalar ---------------------------------------------------------------
+
+_UNIT_IDS = {"seq-mean-token-mean": "traj_ids", "step-mean": "step_ids", "episode-mean": "episode_ids"}
+
+
+def _unit_means(loss: Tensor, mask: Tensor | None, ids: Tensor | None, name: str) -> tuple[Tensor, Tensor]:
+    """(sum of per-unit token means, number of units with at least one selected token)."""
+    if ids is None:
+        raise ValueError(f"this aggregation needs {name}")
+    seg, num = compact(ids)
+    w = torch.ones_like(loss) if mask is None else mask.to(loss.dtype)
+    present = segment_sum(w, seg, num) > 0
+    return segment_mean(loss, seg, num, w).sum(), present.sum()
+
+
+def aggregate(
+    loss: Tensor,
+    mask: Tensor | None = None,
+    mode: str = "episode-mean",
+    *,
+    step_ids: Tensor | None = None,
+    traj_ids: Tensor | None = None,
+    episode_ids: Tensor | None = None,
+    num_units: float | None = None,
+) -> Tensor:
+    """Reduce a per-token loss [N] to a scalar.
+
+    token-mean           Σ_t m_t L_t / Σ_t m_t (DAPO's token-level loss)
+    seq-mean-token-mean  mean over trajectories of each trajectory's token mean (GRPO's original)
+    step-mean            mean over steps of each step's token mean
+    episode-mean         mean over episodes of each episode's token mean (the default)
+    `num_units`: divide by this instead of the local count of units (tokens, trajectories, steps,
+    episodes) — pass the minibatch's count (`count_units`) when accumulating gradients over
+    micro-batches, so the sum of the micro-batch losses equals the minibatch loss. A micro-batch must
+    not split a unit.
+    """
+    if mode == "token-mean":
+        w = torch.ones_like(loss) if mask is None else mask.to(loss.dtype)
+        total, units = (loss * w).sum(), w.sum()
+    elif mode in _UNIT_IDS:
+        ids = {"traj_ids": traj_ids, "step_ids": step_ids, "episode_ids": episode_ids}[_UNIT_IDS[mode]]
+        total, units = _unit_means(loss, mask, ids, _UNIT_IDS[mode])
+    else:
+        raise ValueError(f"unknown aggregation {mode!r}; choose one of {sorted(AGGREGATIONS)}")
+    denom = units.to(loss.dtype) if num_units is None else torch.tensor(float(num_units), dtype=loss.dtype)
+    return total / denom.clamp(min=1.0)
+
+
+def count_units(
+    mask: Tensor,
+    mode: str = "episode-mean",
+    *,
+    step_ids: Tensor | None = None,
+    traj_ids: Tensor | None = None,
+    episode_ids: Tensor | None = None,
+) -> int:
+    """How many units `aggregate` divides by over these tokens: selected tokens for token-mean, else
+    the number of trajectories / steps / episodes with at least one selected token. mask [N]."""
+    if mode == "token-mean":
+        return int(mask.sum())
+    ids = {"traj_ids": traj_ids, "step_ids": step_ids, "episode_ids": episode_ids}[_UNIT_IDS[mode]]
+    if ids is None:
+        raise ValueError(f"{mode} needs {_UNIT_IDS[mode]}")
+    return int(torch.unique(ids[mask.bool()]).numel())
+
+
+def _mode(name: str) -> Callable[..., Tensor]:
+    def reduce(loss: Tensor, mask: Tensor | None = None, **ids: Tensor | float | None) -> Tensor:
+        return aggregate(loss, mask, name, **ids)  # type: ignore[arg-type]
+
+    reduce.__name__ = name.replace("-", "_")
+    reduce.__doc__ = f"aggregate(loss, mask, {name!r}, ...)"
+    return reduce
+
+
+AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
+    name: _mode(name) for name in ("token-mean", "seq-mean-token-mean", "step-mean", "episode-mean")
+}
