@@ -1,0 +1,233 @@
+"""The recorder: hands records to the pool in FIFO order, batched, from one worker thread.
+
+Calls are queued without blocking (the answer to the harness never waits on the pool); session
+creation, rewards and ends go through the same queue, so they are ordered after every call queued
+before them, and their caller waits until the pool has committed them. Consecutive calls are written
+with one `pool.add_calls` per batch.
+
+Failure policy:
+- the pool refuses a record as invalid (`PoolError`: InvalidRecord, UnknownSession, ReadOnlyPool):
+  a batch is retried record by record so only the bad ones are refused; a refused call is counted and
+  logged (never silently dropped); a refused session / reward / end raises in its waiting caller.
+- anything else (the pool is down, the database is locked, a network error): the batch stays at the
+  head of the queue and is retried with exponential backoff capped at `max_backoff` s. The queue keeps
+  filling meanwhile; `has_capacity()` turns False at `max_queue`, and the app answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from datapool.base import Pool, PoolError
+from datapool.records import CallRecord, Reward, SessionInfo
+from gateway import metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Item:
+    kind: str  # "call" | "session" | "reward" | "end" | "flush"
+    payload: Any
+    done: Future[None] | None = None  # set when the pool has committed it (not for calls)
+
+
+class Recorder:
+    def __init__(
+        self,
+        pool: Pool,
+        max_queue: int = 10_000,
+        batch_size: int = 256,
+        flush_interval: float = 0.02,
+        max_backoff: float = 5.0,
+        close_timeout: float = 60.0,
+    ) -> None:
+        self.pool = pool
+        self.max_queue = max_queue
+        self.batch_size = batch_size
+        self.flush_interval = flush_interval  # how long a partial batch of calls may wait for company
+        self.max_backoff = max_backoff
+        self.close_timeout = close_timeout  # aclose gives a failing pool this long before giving up
+        self._queue: deque[_Item] = deque()
+        self._cond = threading.Condition()
+        self._urgent = 0  # control items queued: write without waiting for a full batch
+        self._closing = False
+        self._deadline = 0.0
+        self._thread: threading.Thread | None = None
+        self.written = 0  # calls committed
+        self.dropped = 0  # calls the pool refused as invalid (each logged)
+        self.pool_errors = 0  # failed writes (each retried)
+
+    # --- lifecycle ---
+    async def start(self) -> None:
+        metrics.QUEUE_DEPTH.set_function(lambda: len(self._queue))
+        self._thread = threading.Thread(target=self._run, name="recorder", daemon=True)
+        self._thread.start()
+
+    async def aclose(self) -> None:
+        """Write everything queued (giving a failing pool up to `close_timeout` s), then stop."""
+        if self._thread is None:
+            return
+        with self._cond:
+            self._closing = True
+            self._deadline = time.monotonic() + self.close_timeout
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        if self._queue:
+            log.error("recorder closed with %d records the pool never accepted", len(self._queue))
+
+    # --- the app's side ---
+    def has_capacity(self) -> bool:
+        return len(self._queue) < self.max_queue
+
+    def record_call(self, record: CallRecord) -> None:
+        """Queue a call record; never blocks (check `has_capacity()` before dispatching)."""
+        with self._cond:
+            self._queue.append(_Item("call", record))
+            if len(self._queue) == 1 or len(self._queue) >= self.batch_size:
+                self._cond.notify()
+
+    async def create_session(self, info: SessionInfo) -> None:
+        await self._submit("session", info)
+
+    async def add_reward(self, reward: Reward) -> None:
+        await self._submit("reward", reward)
+
+    async def end_session(self, session_id: str, status: str) -> None:
+        await self._submit("end", (session_id, status))
+
+    async def flush(self) -> None:
+        """Wait until every record queued before this call is in the pool."""
+        await self._submit("flush", None)
+
+    async def _submit(self, kind: str, payload: Any) -> None:
+        if self._thread is None:
+            raise RuntimeError("Recorder.start() was not called (or it is closed)")
+        done: Future[None] = Future()
+        with self._cond:
+            self._queue.append(_Item(kind, payload, done))
+            self._urgent += 1
+            self._cond.notify()
+        await asyncio.wrap_future(done)
+
+    # --- the worker thread ---
+    def _run(self) -> None:
+        backoff = 0.0
+        while (batch := self._next_batch()) is not None:
+            try:
+                self._write(batch)
+            except Exception as exc:  # noqa: BLE001 - the pool is down: keep the batch, back off, retry
+                self.pool_errors += 1
+                metrics.POOL_ERRORS.inc()
+                backoff = min(self.max_backoff, max(0.05, backoff * 2))
+                log.warning("pool write failed (%r); %d records queued, retry in %.2f s", exc, len(self._queue), backoff)
+                if self._closing and time.monotonic() > self._deadline:
+                    self._give_up(exc)
+                    return
+                time.sleep(backoff)
+            else:
+                backoff = 0.0
+
+    def _next_batch(self) -> list[_Item] | None:
+        """The items to write next (left on the queue until written): one control item, or up to
+        `batch_size` consecutive calls. None when closing and the queue is empty."""
+        with self._cond:
+            while not self._queue:
+                if self._closing:
+                    return None
+                self._cond.wait()
+            if not self._urgent and not self._closing and len(self._queue) < self.batch_size:
+                self._cond.wait(self.flush_interval)  # let a partial batch grow a little
+            head = self._queue[0]
+            if head.kind != "call":
+                return [head]
+            batch = []
+            for item in self._queue:
+                if item.kind != "call" or len(batch) == self.batch_size:
+                    break
+                batch.append(item)
+            return batch
+
+    def _pop(self, n: int) -> None:
+        """Remove n written (or refused) items from the head of the queue."""
+        with self._cond:
+            for _ in range(n):
+                if self._queue.popleft().kind != "call":
+                    self._urgent -= 1
+
+    def _write(self, batch: list[_Item]) -> None:
+        """Write the batch, popping what the pool committed or refused; transient errors propagate
+        with the unwritten items still queued."""
+        head = batch[0]
+        if head.kind == "call":
+            self._write_calls([item.payload for item in batch])
+            return
+        try:
+            if head.kind == "session":
+                self.pool.create_session(head.payload)
+            elif head.kind == "reward":
+                self.pool.add_reward(head.payload)
+            elif head.kind == "end":
+                self.pool.end_session(*head.payload)
+        except PoolError as exc:  # refused: the waiting caller gets the error
+            self._pop(1)
+            _resolve(head.done, exc)
+        else:
+            self._pop(1)
+            _resolve(head.done, None)
+
+    def _write_calls(self, records: list[CallRecord]) -> None:
+        try:
+            self.pool.add_calls(records)
+        except PoolError:
+            if len(records) == 1:
+                self._refuse(records[0])
+                return
+        else:
+            self._pop(len(records))
+            self._count_written(len(records))
+            return
+        # one bad record fails the whole (atomic) batch: write one by one to keep the good ones
+        for record in records:
+            try:
+                self.pool.add_calls([record])
+            except PoolError:
+                self._refuse(record)
+            else:
+                self._pop(1)
+                self._count_written(1)
+
+    def _refuse(self, record: CallRecord) -> None:
+        self._pop(1)
+        self.dropped += 1
+        metrics.RECORDS_DROPPED.inc()
+        log.error("pool refused call %s/%d as invalid; not recorded", record.session_id, record.call_index)
+
+    def _count_written(self, n: int) -> None:
+        self.written += n
+        metrics.RECORDS_WRITTEN.inc(n)
+
+    def _give_up(self, exc: Exception) -> None:
+        with self._cond:
+            lost = list(self._queue)
+        calls = sum(1 for item in lost if item.kind == "call")
+        log.error("pool unavailable at shutdown (%r): %d call records NOT written", exc, calls)
+        for item in lost:
+            _resolve(item.done, exc)
+
+
+def _resolve(done: Future[None] | None, exc: BaseException | None) -> None:
+    if done is None or done.done():  # done: the waiting caller gave up (cancelled)
+        return
+    if exc is None:
+        done.set_result(None)
+    else:
+        done.set_exception(exc)

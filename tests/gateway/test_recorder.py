@@ -1,0 +1,182 @@
+"""Recorder: FIFO order, batching, back-pressure, pool outages and refusals, flush on close."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from datapool.base import InvalidRecord, UnknownSession
+from datapool.records import CallRecord, Reward, SessionInfo
+from gateway.recorder import Recorder
+
+
+def call(session: str, index: int) -> CallRecord:
+    return CallRecord(
+        session_id=session,
+        call_index=index,
+        prompt_ids=np.arange(4 + index, dtype=np.int32),
+        output_ids=np.array([7, 8], dtype=np.int32),
+        output_logprobs=np.array([-0.1, -0.2], dtype=np.float32),
+        weight_version=0,
+    )
+
+
+class MemoryPool:
+    """The write half of the pool interface, in memory; can be taken down or made to refuse calls."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, object]] = []
+        self.batches: list[list[int]] = []
+        self.down = 0  # the next `down` writes fail with ConnectionError
+        self.refuse: set[int] = set()  # call indexes refused as invalid
+        self.sessions: set[str] = set()
+        self.lock = threading.Lock()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def _check(self) -> None:
+        self.gate.wait()
+        with self.lock:
+            if self.down:
+                self.down -= 1
+                raise ConnectionError("pool is down")
+
+    def create_session(self, info: SessionInfo) -> None:
+        self._check()
+        self.sessions.add(info.session_id)
+        self.ops.append(("session", info.session_id))
+
+    def add_calls(self, records: list[CallRecord]) -> None:
+        self._check()
+        if any(r.call_index in self.refuse for r in records):
+            raise InvalidRecord("bad record")
+        self.batches.append([r.call_index for r in records])
+        self.ops.extend(("call", r.call_index) for r in records)
+
+    def add_reward(self, reward: Reward) -> None:
+        self._check()
+        if reward.session_id not in self.sessions:
+            raise UnknownSession(reward.session_id)
+        self.ops.append(("reward", reward.value))
+
+    def end_session(self, session_id: str, status: str = "completed") -> None:
+        self._check()
+        self.ops.append(("end", status))
+
+
+@pytest.fixture
+async def pool_recorder():
+    pool = MemoryPool()
+    recorder = Recorder(pool, max_queue=100, batch_size=256, flush_interval=0.01, max_backoff=0.02)
+    await recorder.start()
+    yield pool, recorder
+    await recorder.aclose()
+
+
+async def test_fifo_order_and_one_batch_of_consecutive_calls(pool_recorder) -> None:
+    pool, recorder = pool_recorder
+    await recorder.create_session(SessionInfo("s", "task", "h"))
+    for i in range(3):
+        recorder.record_call(call("s", i))
+    await recorder.add_reward(Reward("s", 1.0))
+    await recorder.end_session("s", "completed")
+    # the reward and the end were acknowledged only after every call queued before them
+    assert pool.ops == [("session", "s"), ("call", 0), ("call", 1), ("call", 2), ("reward", 1.0), ("end", "completed")]
+    assert pool.batches == [[0, 1, 2]]
+    assert recorder.written == 3
+
+
+async def test_batches_are_bounded() -> None:
+    pool = MemoryPool()
+    pool.gate.clear()  # hold the worker so the calls queue up
+    recorder = Recorder(pool, batch_size=2)
+    await recorder.start()
+    recorder.record_call(call("s", 0))
+    await asyncio.sleep(0.05)  # the worker is now blocked inside add_calls([0])
+    for i in range(1, 6):
+        recorder.record_call(call("s", i))
+    pool.gate.set()
+    await recorder.flush()
+    await recorder.aclose()
+    assert pool.batches == [[0], [1, 2], [3, 4], [5]]
+
+
+async def test_outage_keeps_records_and_back_pressure_applies() -> None:
+    pool = MemoryPool()
+    pool.down = 5  # five failed writes, then the pool is back
+    recorder = Recorder(pool, max_queue=3, flush_interval=0.001, max_backoff=0.02)
+    await recorder.start()
+    for i in range(3):
+        recorder.record_call(call("s", i))
+    assert not recorder.has_capacity()  # the app answers 503 now
+    await recorder.flush()
+    assert recorder.has_capacity()
+    assert [op for op in pool.ops] == [("call", 0), ("call", 1), ("call", 2)]  # nothing lost, order kept
+    assert recorder.pool_errors == 5 and recorder.dropped == 0
+    await recorder.aclose()
+
+
+async def test_a_refused_call_is_counted_and_logged_the_rest_written(pool_recorder, caplog) -> None:
+    pool, recorder = pool_recorder
+    pool.refuse = {1}
+    with caplog.at_level(logging.ERROR, logger="gateway.recorder"):
+        for i in range(3):
+            recorder.record_call(call("s", i))
+        await recorder.flush()
+    assert [op for op in pool.ops] == [("call", 0), ("call", 2)]
+    assert (recorder.written, recorder.dropped) == (2, 1)
+    assert "pool refused call s/1" in caplog.text
+
+
+async def test_a_refused_reward_raises_in_the_caller(pool_recorder) -> None:
+    pool, recorder = pool_recorder
+    with pytest.raises(UnknownSession):
+        await recorder.add_reward(Reward("nobody", 1.0))
+    await recorder.create_session(SessionInfo("s", "t", "h"))  # the recorder keeps working
+    assert pool.ops == [("session", "s")]
+
+
+async def test_aclose_flushes_everything() -> None:
+    pool = MemoryPool()
+    recorder = Recorder(pool, batch_size=16, flush_interval=1.0)
+    await recorder.start()
+    for i in range(100):
+        recorder.record_call(call("s", i))
+    await recorder.aclose()
+    assert [op[1] for op in pool.ops] == list(range(100))
+    assert max(len(b) for b in pool.batches) <= 16
+
+
+async def test_aclose_gives_up_on_a_dead_pool_loudly(caplog) -> None:
+    pool = MemoryPool()
+    pool.down = 10**9
+    recorder = Recorder(pool, max_backoff=0.01, close_timeout=0.1)
+    await recorder.start()
+    recorder.record_call(call("s", 0))
+    recorder.record_call(call("s", 1))
+    with caplog.at_level(logging.ERROR, logger="gateway.recorder"):
+        await asyncio.wait_for(recorder.aclose(), 5)
+    assert "2 call records NOT written" in caplog.text
+
+
+async def test_records_into_the_real_embedded_pool(tmp_path: Path) -> None:
+    datapool = pytest.importorskip("datapool")
+    if not hasattr(datapool, "open_pool"):
+        pytest.skip("datapool.open_pool not available yet")
+    pool = datapool.open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
+    recorder = Recorder(pool)
+    await recorder.start()
+    await recorder.create_session(SessionInfo("s", "task", "h"))
+    recorder.record_call(call("s", 0))
+    recorder.record_call(call("s", 1))
+    await recorder.end_session("s", "completed")
+    await recorder.aclose()
+    assert pool.get_session("s").status == "completed"
+    tree = pool.get_tree("s")
+    assert sorted(tree.calls) == [0, 1]
+    pool.close()
