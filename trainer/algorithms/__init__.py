@@ -12,6 +12,16 @@ from trainer.algorithms.advantages import (
     leave_one_out,
     value_targets,
 )
+from trainer.algorithms.corrections import (
+    KL_ESTIMATORS,
+    clipped_value_loss,
+    decoupled_weights,
+    entropy_from_logits,
+    fresh_mask,
+    kl_penalty,
+    token_logprobs_from_logits,
+    truncated_is_weights,
+)
 from trainer.algorithms.losses import (
     AGGREGATIONS,
     Surrogate,
@@ -30,6 +40,14 @@ __all__ = [
     "group_normalize",
     "leave_one_out",
     "value_targets",
+    "KL_ESTIMATORS",
+    "clipped_value_loss",
+    "decoupled_weights",
+    "entropy_from_logits",
+    "fresh_mask",
+    "kl_penalty",
+    "token_logprobs_from_logits",
+    "truncated_is_weights",
     "AGGREGATIONS",
     "Surrogate",
     "aggregate",

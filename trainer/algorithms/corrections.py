@@ -1,0 +1,156 @@
+"""Off-policy corrections and regularisers: truncated importance sampling against the engine's
+logprobs, the decoupled behaviour/proximal weight, the staleness bound, KL to a reference, entropy,
+and the critic's clipped value loss.
+
+Why: the engine that sampled a token (SGLang/vLLM, older weights, other kernels) is not the policy the
+trainer differentiates, so the engine's recorded logprob is the behaviour policy μ and the trainer
+corrects for μ ≠ π (DESIGN.md §2.3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from trainer.algorithms._segments import segment_mean
+
+LOG_RATIO_LIMIT = 20.0  # keeps exp() finite; far beyond any cap
+
+
+@torch.no_grad()
+def truncated_is_weights(
+    target_logp: Tensor,
+    behaviour_logp: Tensor,
+    *,
+    cap: float = 2.0,
+    segment_ids: Tensor | None = None,
+    mask: Tensor | None = None,
+) -> Tensor:
+    """Truncated importance sampling weights (TIS; Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training"; Espeholt et al. 2018 truncate the same way in IMPALA).
+
+    per token:   w_t = min( exp(log π(t) − log μ(t)), C )
+    per segment: w_t = min( exp( mean_{u∈seg(t)} (log π(u) − log μ(u)) ), C )   (segment_ids = step_ids)
+    target_logp [N] (e.g. the trainer's logprobs before the update), behaviour_logp [N] (the engine's
+    recorded ones) -> weights [N], no gradient; multiply the per-token loss by them.
+    """
+    log_w = (target_logp - behaviour_logp).float().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    if segment_ids is not None and log_w.numel():
+        log_w = segment_mean(log_w, segment_ids, int(segment_ids.max()) + 1, mask)[segment_ids]
+    return log_w.exp().clamp(max=cap)
+
+
+def decoupled_weights(
+    prox_logp: Tensor,
+    behaviour_logp: Tensor,
+    *,
+    cap: float = 2.0,
+    segment_ids: Tensor | None = None,
+    mask: Tensor | None = None,
+) -> Tensor:
+    """Behaviour weight of the decoupled PPO objective (Hilton et al. 2022, "Batch size-invariance for
+    policy optimization"; AReaL, Fu et al. 2025):
+
+    L = −(π_prox/μ) · min( (π_θ/π_prox) A, clip(π_θ/π_prox, 1−ε_low, 1+ε_high) A )
+    The clip is centred on the proximal policy π_prox (the trainer's own logprobs at the start of the
+    update), not on the stale behaviour policy μ (the engine's); this returns the truncated, detached
+    π_prox/μ [N]. The ratio is `RATIOS[level](logp, prox_logp, ...)`.
+    """
+    return truncated_is_weights(prox_logp, behaviour_logp, cap=cap, segment_ids=segment_ids, mask=mask)
+
+
+def fresh_mask(versions: Tensor, current_version: int, bound: int) -> Tensor:
+    """Hard staleness bound: True where version ≥ current − bound (bound 0 = strictly on-policy).
+
+    versions: long tensor of any shape (per token, step or episode) -> bool tensor of that shape.
+    """
+    if bound < 0:
+        raise ValueError(f"staleness bound must be >= 0, got {bound}")
+    return versions >= current_version - bound
+
+
+# --- KL to a frozen reference (Schulman 2020, "Approximating KL Divergence") --------------------
+# Tokens are sampled from the policy; with log r = log π_ref − log π_θ, each k estimates KL(π_θ ‖ π_ref).
+
+
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = −log r = log π_θ − log π_ref: unbiased, high variance, can be negative. [N] -> [N]."""
+    return logp - ref_logp.detach()
+
+
+def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = ½ (log r)²: biased, low variance, ≥ 0. [N] -> [N]."""
+    return 0.5 * (logp - ref_logp.detach()) ** 2
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 = (r − 1) − log r: unbiased, low variance, ≥ 0 (GRPO's KL term). [N] -> [N]."""
+    log_r = (ref_logp.detach() - logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return torch.expm1(log_r) - log_r
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token KL(π_θ ‖ π_ref) estimate with the named estimator, [N]; gradient flows through logp."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[kind](logp, ref_logp)
+
+
+# --- per-token functions of logits, chunked over the vocabulary-sized rows ---------------------
+
+
+def _entropy(logits: Tensor) -> Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _chunked(fn: Callable[..., Tensor], logits: Tensor, *args: Tensor, chunk_size: int) -> Tensor:
+    """fn over row chunks of logits [N, V]; under autograd each chunk is recomputed in backward
+    (activation checkpointing), so only one chunk's [chunk, V] float32 softmax is alive at a time."""
+    if logits.shape[0] == 0:
+        return logits.new_zeros(0, dtype=torch.float32)
+    parts = []
+    for start in range(0, logits.shape[0], chunk_size):
+        rows = [t[start : start + chunk_size] for t in (logits, *args)]
+        if torch.is_grad_enabled() and logits.requires_grad:
+            parts.append(checkpoint(fn, *rows, use_reentrant=False))
+        else:
+            parts.append(fn(*rows))
+    return torch.cat(parts)
+
+
+def entropy_from_logits(logits: Tensor, *, chunk_size: int = 1024) -> Tensor:
+    """Entropy of each row's softmax: H = −Σ_v p_v log p_v, logits [N, V] -> float32 [N] (grad flows).
+
+    The entropy bonus (Williams & Peng 1991; Mnih et al. 2016) subtracts β·H from the loss."""
+    return _chunked(_entropy, logits, chunk_size=chunk_size)
+
+
+def _gather_logprob(logits: Tensor, token_ids: Tensor) -> Tensor:
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs_from_logits(logits: Tensor, token_ids: Tensor, *, chunk_size: int = 1024) -> Tensor:
+    """log softmax(logits)[token] per row: logits [N, V], token_ids long [N] -> float32 [N] (grad flows)."""
+    return _chunked(_gather_logprob, logits, token_ids, chunk_size=chunk_size)
+
+
+def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, *, clip: float | None = 0.2) -> Tensor:
+    """Critic loss per step (PPO2 baselines; Andrychowicz et al. 2021, "What Matters in On-Policy RL"):
+
+    L = ½ max( (V − G)², (V_old + clip(V − V_old, −ε, ε) − G)² ),  or ½ (V − G)² when clip is None.
+    values [S] (grad), old_values [S] (before the update), returns [S] (targets) -> [S].
+    """
+    returns = returns.detach()
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * unclipped
+    old = old_values.detach()
+    clipped = (old + (values - old).clamp(-clip, clip) - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped)
