@@ -32,6 +32,7 @@ from trainer.algorithms.losses import (
     surrogate_stats,
 )
 from trainer.algorithms.ratios import RATIOS, segment_ratio, sequence_ratio, step_ratio, token_ratio
+from trainer.algorithms.sampling import dynamic_sampling_mask, has_reward_variance, overlong_penalty
 
 __all__ = [
     "ADVANTAGES",
@@ -60,4 +61,7 @@ __all__ = [
     "sequence_ratio",
     "step_ratio",
     "token_ratio",
+    "dynamic_sampling_mask",
+    "has_reward_variance",
+    "overlong_penalty",
 ]
