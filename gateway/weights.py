@@ -1,0 +1,146 @@
+"""The weight gate: stamps each call with the weight version serving it, and swaps weights safely.
+
+An update pauses admission of new calls (they wait up to `max_wait` s, then get `Paused`: the app
+answers 503 with Retry-After), waits for in-flight calls to finish, asks every engine to pause, load
+the checkpoint and resume, then bumps the version and reopens. If any engine fails, the engines that
+did load it are moved back to the previous checkpoint (when it is known), the old version keeps
+serving, and the error is raised to the caller.
+
+Exceptions: `Paused` (admission timed out during an update), `UpdateRefused` (a bad request:
+version not increasing, another update running), `engines.EngineError` (an engine failed to load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway import metrics
+from gateway.engines import EngineClient, EngineError, EngineRouter
+
+log = logging.getLogger(__name__)
+
+
+class Paused(Exception):
+    """New calls are paused for a weight update; retry after `retry_after` s."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"weights are being updated; retry after {retry_after:g} s")
+        self.retry_after = retry_after
+
+
+class UpdateRefused(Exception):
+    """The update request itself is unacceptable (answered 409)."""
+
+
+class _Admission:
+    """`async with gate.admit() as version:` counts the call in flight for its whole duration."""
+
+    __slots__ = ("gate",)
+
+    def __init__(self, gate: WeightGate) -> None:
+        self.gate = gate
+
+    async def __aenter__(self) -> int:
+        gate = self.gate
+        while not gate._open.is_set():
+            try:
+                await asyncio.wait_for(gate._open.wait(), gate.max_wait)
+            except TimeoutError:
+                raise Paused(gate.retry_after) from None
+        gate.in_flight += 1
+        gate._drained.clear()
+        return gate.version
+
+    async def __aexit__(self, *exc: object) -> None:
+        gate = self.gate
+        gate.in_flight -= 1
+        if gate.in_flight == 0:
+            gate._drained.set()
+
+
+class WeightGate:
+    def __init__(
+        self,
+        router: EngineRouter,
+        max_wait: float = 5.0,
+        initial_version: int = 0,
+        initial_path: str | None = None,
+        drain_timeout: float = 600.0,
+    ) -> None:
+        self.router = router
+        self.max_wait = max_wait  # how long a new call waits for an update before Paused
+        self.retry_after = max(1.0, max_wait)
+        self.drain_timeout = drain_timeout  # longest wait for in-flight calls before giving up the update
+        self.version = initial_version
+        self.path = initial_path  # checkpoint the engines serve now (for rolling back a partial update)
+        self.in_flight = 0
+        self.updating = False
+        self.last_error: str | None = None
+        self._open = asyncio.Event()
+        self._open.set()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        metrics.WEIGHT_VERSION.set(initial_version)
+        metrics.IN_FLIGHT.set_function(lambda: self.in_flight)
+
+    def admit(self) -> _Admission:
+        """Waits while an update runs (<= max_wait, then raises Paused); yields the version stamped
+        at dispatch; counts the call as in flight until the block exits."""
+        return _Admission(self)
+
+    async def update_weights(self, path: str, version: int) -> int:
+        """Pause new calls, drain in-flight ones, update every engine, bump the version, resume."""
+        if self.updating:
+            raise UpdateRefused("another weight update is running")
+        if version <= self.version:
+            raise UpdateRefused(f"version {version} is not newer than the serving version {self.version}")
+        self.updating = True
+        self._open.clear()
+        try:
+            await self._drain()
+            await self._update_all(path, version)
+        except Exception as exc:
+            self.last_error = str(exc)
+            metrics.WEIGHT_UPDATES.labels("failed").inc()
+            log.error("weight update to version %d (%s) failed; version %d keeps serving: %s", version, path, self.version, exc)
+            raise
+        finally:
+            self.updating = False
+            self._open.set()
+        self.version, self.path, self.last_error = version, path, None
+        metrics.WEIGHT_VERSION.set(version)
+        metrics.WEIGHT_UPDATES.labels("ok").inc()
+        log.info("weights updated to version %d from %s", version, path)
+        return version
+
+    async def _drain(self) -> None:
+        try:
+            await asyncio.wait_for(self._drained.wait(), self.drain_timeout)
+        except TimeoutError:
+            raise EngineError(f"{self.in_flight} calls still running after {self.drain_timeout:g} s; update abandoned") from None
+
+    async def _update_all(self, path: str, version: int) -> None:
+        clients = self.router.clients
+        await asyncio.gather(*(c.pause() for c in clients))
+        try:
+            results = await asyncio.gather(*(c.update_weights(path, version) for c in clients), return_exceptions=True)
+            failed = [(c, r) for c, r in zip(clients, results) if isinstance(r, BaseException)]
+            if failed:
+                await self._roll_back([c for c, r in zip(clients, results) if not isinstance(r, BaseException)])
+                detail = "; ".join(f"{c.url}: {r}" for c, r in failed)
+                raise EngineError(f"weight update failed on {len(failed)} of {len(clients)} engines: {detail}")
+        finally:
+            await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
+
+    async def _roll_back(self, updated: list[EngineClient]) -> None:
+        if not updated:
+            return
+        if self.path is None:
+            log.error("engines %s loaded the new weights but the previous checkpoint is unknown: they serve "
+                      "newer weights than version %d until the next update", [c.url for c in updated], self.version)
+            return
+        results = await asyncio.gather(*(c.update_weights(self.path, self.version) for c in updated), return_exceptions=True)
+        for client, result in zip(updated, results):
+            if isinstance(result, BaseException):
+                log.error("rolling %s back to %s failed: %s", client.url, self.path, result)

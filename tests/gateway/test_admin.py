@@ -1,0 +1,79 @@
+"""Admin HTTP endpoints over real loopback HTTP: auth, validation, success and failure answers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.admin import admin_routes
+from gateway.engines import EngineRouter, make_engine
+from gateway.testing import FakeEngine
+from gateway.weights import WeightGate
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+async def setup() -> AsyncIterator[tuple[TestClient, FakeEngine, WeightGate]]:
+    fake = FakeEngine()
+    async with fake as url, aiohttp.ClientSession() as http:
+        gate = WeightGate(EngineRouter([make_engine(url, "sglang", http, 5)]))
+        app = web.Application()
+        app.add_routes(admin_routes(gate, TOKEN))
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            yield client, fake, gate
+
+
+async def test_update_weights_with_the_admin_token(setup) -> None:
+    client, fake, gate = setup
+    resp = await client.post("/admin/update_weights", json={"path": "/ckpt/1", "version": 1}, headers=AUTH)
+    assert (resp.status, await resp.json()) == (200, {"weight_version": 1})
+    assert fake.weight_version == 1 and gate.version == 1
+    resp = await client.get("/admin/weights", headers={"x-api-key": TOKEN})
+    assert (await resp.json())["weight_version"] == 1
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])
+async def test_without_the_token_401(setup, headers) -> None:
+    client, fake, gate = setup
+    resp = await client.post("/admin/update_weights", json={"path": "/ckpt/1", "version": 1}, headers=headers)
+    assert resp.status == 401
+    assert (await resp.json())["error"]["type"] == "authentication_error"
+    assert gate.version == 0 and fake.requests == []
+
+
+@pytest.mark.parametrize(
+    "body,where",
+    [
+        (b"{not json", "body"),
+        (b'{"path": "/x"}', "version"),
+        (b'{"path": "/x", "version": "2"}', "version"),
+        (b'{"path": "", "version": 2}', "path"),
+        (b'{"path": "/x", "version": -1}', "version"),
+        (b'{"path": "/x", "version": 2, "extra": 1}', "extra"),
+        (b"[]", "body"),
+    ],
+)
+async def test_bad_bodies_400_naming_the_field(setup, body, where) -> None:
+    client, fake, gate = setup
+    resp = await client.post("/admin/update_weights", data=body, headers=AUTH)
+    assert resp.status == 400
+    assert where in (await resp.json())["error"]["message"]
+    assert gate.version == 0
+
+
+async def test_not_newer_version_409_and_engine_failure_502(setup) -> None:
+    client, fake, gate = setup
+    resp = await client.post("/admin/update_weights", json={"path": "/x", "version": 0}, headers=AUTH)
+    assert resp.status == 409
+    fake.fail_updates = 1
+    resp = await client.post("/admin/update_weights", json={"path": "/bad", "version": 1}, headers=AUTH)
+    assert resp.status == 502
+    message = (await resp.json())["error"]["message"]
+    assert "version 0 keeps serving" in message and "cannot load /bad" in message
+    assert gate.version == 0

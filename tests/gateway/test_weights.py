@@ -1,0 +1,106 @@
+"""WeightGate: versions stamped at dispatch, pause → drain → update → resume, failures keep the old version."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from gateway.engines import EngineError, EngineRouter, SamplingParams, make_engine
+from gateway.testing import FakeEngine
+from gateway.weights import Paused, UpdateRefused, WeightGate
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def test_update_pauses_updates_resumes_every_engine(http) -> None:
+    fakes = [FakeEngine(), FakeEngine()]
+    async with fakes[0] as a, fakes[1] as b:
+        router = EngineRouter([make_engine(u, "sglang", http, 5) for u in (a, b)])
+        gate = WeightGate(router)
+        async with gate.admit() as version:
+            assert version == 0
+        assert await gate.update_weights("/ckpt/1", 1) == 1
+        async with gate.admit() as version:
+            assert version == 1
+        gen = await router.clients[0].generate([1, 2], SamplingParams())
+    assert [f.events for f in fakes] == [["pause", "update:1", "resume", "generate"], ["pause", "update:1", "resume"]]
+    assert gen.weight_version == 1 and (gate.version, gate.path) == (1, "/ckpt/1")
+
+
+async def test_update_waits_for_in_flight_calls_and_holds_new_ones(http) -> None:
+    fake = FakeEngine()
+    async with fake as url:
+        gate = WeightGate(EngineRouter([make_engine(url, "sglang", http, 5)]), max_wait=5)
+        order: list[str] = []
+        release = asyncio.Event()
+
+        async def in_flight_call() -> None:
+            async with gate.admit() as v:
+                order.append(f"old call starts at v{v}")
+                await release.wait()
+                order.append("old call ends")
+
+        async def new_call() -> None:
+            async with gate.admit() as v:
+                order.append(f"new call at v{v}")
+
+        old = asyncio.create_task(in_flight_call())
+        await asyncio.sleep(0.01)
+        update = asyncio.create_task(gate.update_weights("/ckpt/1", 1))
+        await asyncio.sleep(0.01)
+        new = asyncio.create_task(new_call())
+        await asyncio.sleep(0.05)
+        assert fake.events == []  # nothing touches the engine while a call is in flight
+        assert gate.in_flight == 1 and gate.updating
+        release.set()
+        await asyncio.gather(old, update, new)
+    assert order == ["old call starts at v0", "old call ends", "new call at v1"]
+    assert fake.events == ["pause", "update:1", "resume"]
+
+
+async def test_new_calls_get_paused_after_max_wait(http) -> None:
+    async with FakeEngine(update_delay=0.5) as url:
+        gate = WeightGate(EngineRouter([make_engine(url, "sglang", http, 5)]), max_wait=0.05)
+        update = asyncio.create_task(gate.update_weights("/ckpt/1", 1))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Paused) as caught:
+            async with gate.admit():
+                pass
+        assert caught.value.retry_after >= 1.0  # Retry-After is given in whole seconds
+        await update
+        async with gate.admit() as version:
+            assert version == 1
+
+
+async def test_failed_update_rolls_back_and_keeps_the_old_version(http) -> None:
+    good, bad = FakeEngine(), FakeEngine(fail_updates=1)
+    async with good as a, bad as b:
+        router = EngineRouter([make_engine(u, "sglang", http, 5) for u in (a, b)])
+        gate = WeightGate(router, initial_version=3, initial_path="/ckpt/3")
+        with pytest.raises(EngineError, match="failed on 1 of 2 engines.*cannot load /ckpt/4"):
+            await gate.update_weights("/ckpt/4", 4)
+        assert (gate.version, gate.path) == (3, "/ckpt/3")
+        assert "cannot load /ckpt/4" in (gate.last_error or "")
+        async with gate.admit() as version:  # serving again, at the old version
+            assert version == 3
+    assert good.events == ["pause", "update:4", "update:3", "resume"]  # loaded, then rolled back
+    assert bad.events == ["pause", "resume"]
+
+
+async def test_refused_updates(http) -> None:
+    async with FakeEngine(update_delay=0.2) as url:
+        gate = WeightGate(EngineRouter([make_engine(url, "sglang", http, 5)]), initial_version=2)
+        with pytest.raises(UpdateRefused, match="not newer"):
+            await gate.update_weights("/ckpt", 2)
+        first = asyncio.create_task(gate.update_weights("/ckpt/3", 3))
+        await asyncio.sleep(0.01)
+        with pytest.raises(UpdateRefused, match="another weight update"):
+            await gate.update_weights("/ckpt/4", 4)
+        assert await first == 3
