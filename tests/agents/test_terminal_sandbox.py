@@ -1,0 +1,127 @@
+"""The terminal sandbox: confinement, limits, and that nothing outlives a command.
+
+The machine's mode is probed (`detect_mode`): "namespace" enforces every guarantee below; "plain"
+(no namespaces) is a best effort, and the tests it cannot pass are skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from agents.terminal.sandbox import Limits, Sandbox, detect_mode
+
+needs_namespace = pytest.mark.skipif(detect_mode() != "namespace", reason="plain mode: best effort only")
+# Guarantees that hold in both modes are also checked in plain mode (as root it drops to a uid of its own).
+both_modes = pytest.mark.parametrize("mode", sorted({detect_mode(), "plain"}))
+
+
+def _box(tmp_path: Path, mode: str | None = None, **limits: float) -> Sandbox:
+    box = Sandbox(tmp_path / "box", Limits(**limits), mode=mode)  # type: ignore[arg-type]
+    box.prepare()
+    return box
+
+
+def _processes_of(uid: int | None) -> list[int]:
+    """Live pids owned by the sandbox uid (the uid is unique to this sandbox)."""
+    if uid is None:
+        return []
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                pids.append(int(entry.name))
+        except FileNotFoundError:
+            pass
+    return pids
+
+
+@both_modes
+def test_commands_run_in_the_sandbox_directory(tmp_path: Path, mode: str) -> None:
+    box = _box(tmp_path, mode)
+    result = box.run("echo hello > a.txt && cat a.txt && ls")
+    assert result.exit_code == 0 and result.output == "hello\na.txt\n"
+    assert (tmp_path / "box" / "a.txt").read_text() == "hello\n"
+
+
+@pytest.mark.parametrize("mode", [detect_mode(), *(["plain"] if os.geteuid() == 0 else [])])
+def test_cd_parent_cannot_write_outside(tmp_path: Path, mode: str) -> None:
+    box = _box(tmp_path, mode)
+    result = box.run("cd .. && touch escaped.txt; cd ../.. && touch escaped.txt")
+    assert result.exit_code != 0
+    assert not (tmp_path / "escaped.txt").exists() and not (tmp_path.parent / "escaped.txt").exists()
+
+
+@needs_namespace
+def test_absolute_paths_cannot_write_outside(tmp_path: Path) -> None:
+    box = _box(tmp_path)
+    target = f"/tmp/stepline-escape-{uuid.uuid4().hex}"
+    result = box.run(f"echo x > {tmp_path}/abs.txt; echo x > {target}; echo x > /etc/escape; echo x > /dev/shm/e")
+    assert result.exit_code != 0
+    assert not (tmp_path / "abs.txt").exists() and not Path(target).exists()
+    assert not Path("/etc/escape").exists() and not Path("/dev/shm/e").exists()
+
+
+@needs_namespace
+def test_secrets_of_the_harness_do_not_reach_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-secret")
+    result = _box(tmp_path).run("env; ls /proc | grep -c '^[0-9]'")
+    assert "sk-secret" not in result.output
+    assert result.output.splitlines()[-1] in {"1", "2", "3"}  # sees only its own pid namespace
+
+
+@both_modes
+def test_sleep_forever_is_killed_at_the_wall_limit(tmp_path: Path, mode: str) -> None:
+    box = _box(tmp_path, mode, wall_s=1.0)
+    started = time.monotonic()
+    result = box.run("sleep 1000")
+    assert result.timed_out and result.exit_code == -9
+    assert time.monotonic() - started < 5
+    assert _processes_of(box.uid) == []
+
+
+@needs_namespace
+def test_background_processes_die_with_their_command(tmp_path: Path) -> None:
+    box = _box(tmp_path, wall_s=5.0)
+    result = box.run("(sleep 1000 &) ; setsid sleep 1000 & echo started")
+    assert result.output == "started\n" and not result.timed_out
+    assert _processes_of(box.uid) == []
+
+
+@needs_namespace
+def test_fork_bomb_hits_the_process_limit_and_is_cleaned_up(tmp_path: Path) -> None:
+    box = _box(tmp_path, wall_s=3.0, processes=32)
+    started = time.monotonic()
+    box.run(":(){ :|:& };:")
+    assert time.monotonic() - started < 10
+    assert _processes_of(box.uid) == []
+    assert box.run("echo alive").output == "alive\n"  # the sandbox still works afterwards
+
+
+@both_modes
+def test_huge_output_is_truncated_and_the_command_stopped(tmp_path: Path, mode: str) -> None:
+    box = _box(tmp_path, mode, wall_s=10.0, output_bytes=100)
+    started = time.monotonic()
+    result = box.run("yes")
+    assert result.truncated and not result.timed_out
+    assert result.output == "y\n" * 50 + "\n[output truncated]"
+    assert time.monotonic() - started < 5
+
+
+@both_modes
+def test_file_size_limit(tmp_path: Path, mode: str) -> None:
+    box = _box(tmp_path, mode, file_bytes=1 << 20)
+    result = box.run("head -c 5000000 /dev/zero > big")
+    assert result.exit_code != 0
+    assert os.path.getsize(tmp_path / "box" / "big") <= 1 << 20
+
+
+@both_modes
+def test_memory_limit(tmp_path: Path, mode: str) -> None:
+    box = _box(tmp_path, mode, memory_bytes=64 << 20)
+    result = box.run("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}")
+    assert "200000000" not in result.output
