@@ -29,6 +29,12 @@ def test_overlong_penalty_by_hand() -> None:
     assert torch.allclose(overlong_penalty(lengths, max_len=20, buffer_len=4, factor=0.5), expected * 0.5)
 
 
+def test_overlong_without_buffer_is_a_hard_cut() -> None:
+    # buffer 0: nothing up to L_max = 20, the full -f beyond
+    hard = overlong_penalty(torch.tensor([19, 20, 21]), max_len=20, buffer_len=0, factor=2.0)
+    assert torch.equal(hard, torch.tensor([0.0, 0.0, -2.0]))
+
+
 def test_overlong_buffer_must_fit() -> None:
     with pytest.raises(ValueError, match="buffer_len"):
-        overlong_penalty(torch.tensor([1]), max_len=10, buffer_len=0)
+        overlong_penalty(torch.tensor([1]), max_len=10, buffer_len=11)

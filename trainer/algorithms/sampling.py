@@ -31,10 +31,11 @@ def overlong_penalty(lengths: Tensor, *, max_len: int, buffer_len: int, factor: 
     R_len(L) = 0                                  if L ≤ L_max − L_buf
              = (L_max − L_buf − L) / L_buf · f    if L_max − L_buf < L ≤ L_max
              = −f                                 if L > L_max
+    buffer_len = 0 is the hard version: 0 up to L_max, −f beyond.
     lengths: int tensor of any shape (tokens of a response, a step or an episode) -> float, same shape.
     """
-    if not 0 < buffer_len <= max_len:
-        raise ValueError(f"buffer_len must be in (0, max_len={max_len}], got {buffer_len}")
+    if not 0 <= buffer_len <= max_len:
+        raise ValueError(f"buffer_len must be in [0, max_len={max_len}], got {buffer_len}")
     excess = (lengths.to(torch.float32) - (max_len - buffer_len)).clamp(min=0.0, max=float(buffer_len))
-    penalty = -excess / buffer_len * factor
+    penalty = -excess / max(buffer_len, 1) * factor  # buffer 0: excess is clamped to 0
     return torch.where(lengths > max_len, torch.full_like(penalty, -factor), penalty)
