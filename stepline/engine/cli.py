@@ -1,0 +1,37 @@
+"""`stepline engine --model DIR --port N`: serve a model directory with the built-in CPU engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+__all__ = ["engine_command"]
+
+
+@click.command("engine")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="HF model directory (e.g. from `stepline make-model`).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=30000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--max-running-requests", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Sequences decoded together in one batch; the rest wait.")
+@click.option("--context-length", default=None, type=click.IntRange(min=1),
+              help="Prompt + new tokens limit (default: the model's max_position_embeddings).")
+@click.option("--incremental-streaming-output", is_flag=True,
+              help="Stream only the new text/ids/logprobs in each chunk (SGLang's flag); default cumulative.")
+@click.option("--weight-version", default="0", show_default=True, help="Initial weight_version.")
+@click.option("--threads", default=None, type=click.IntRange(min=1), help="torch intra-op threads.")
+def engine_command(model_dir: Path, host: str, port: int, max_running_requests: int, context_length: int | None,
+                   incremental_streaming_output: bool, weight_version: str, threads: int | None) -> None:
+    """Serve MODEL with SGLang's /generate API subset on CPU (HF transformers, continuous batching)."""
+    import torch
+    import uvicorn
+
+    from stepline.engine.server import create_app
+
+    if threads:
+        torch.set_num_threads(threads)
+    app = create_app(model_dir, incremental_streaming=incremental_streaming_output,
+                     max_running=max_running_requests, context_length=context_length, weight_version=weight_version)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

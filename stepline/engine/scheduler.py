@@ -1,0 +1,219 @@
+"""The engine's scheduler: one thread that owns the model and runs continuous batching.
+
+Each loop iteration: take new sequences and control commands from the inbox; admit waiting
+sequences (each prefilled alone, then merged into the batch's left-padded KV cache); run one
+batched decode step for every running sequence; retire the finished ones. Control commands (pause,
+weight swap, abort) are functions run on this thread between steps, so no lock guards the model.
+
+Every sequence owns its torch.Generator (seeded from sampling_seed), so its samples do not depend
+on which other sequences share its batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+
+from stepline.engine.kv import BatchCache
+from stepline.engine.protocol import SequenceSpec
+from stepline.engine.sampling import sample_token
+
+__all__ = ["Scheduler", "Sequence"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A sequence in flight. Written only by the scheduler thread; `notify()` is thread-safe."""
+
+    spec: SequenceSpec
+    notify: Callable[[int], None]  # notify(tokens so far): after each token (streaming), once when finished
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str = ""
+    stop_text_at: int | None = None  # where `text` is cut for a matched stop string
+    generator: torch.Generator | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, eos_token_ids: list[int], weight_version: str = "0",
+                 max_running: int = 64) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.weight_version = weight_version
+        self.max_running = max_running
+        self.paused = False
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._kv: BatchCache | None = None
+        self._thread = threading.Thread(target=self._loop, name="stepline-engine-scheduler", daemon=True)
+        self._stopping = False
+
+    # ---- thread-safe API -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.call(self._shutdown).result(timeout=30)
+        self._thread.join(timeout=30)
+
+    def submit(self, seq: Sequence) -> None:
+        self._inbox.put(seq)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run fn() on the scheduler thread between two steps; the future holds its result."""
+        future: Future = Future()
+        self._inbox.put((fn, future))
+        return future
+
+    def abort(self, rid: str | None, message: str = "Aborted by request.") -> int:
+        """Abort the sequences of request `rid` (all when None); call on the scheduler thread."""
+        victims = [s for s in [*self._waiting, *self._running]
+                   if rid is None or s.spec.rid == rid or s.spec.rid.startswith(f"{rid}-")]
+        for seq in victims:
+            self._finish(seq, {"type": "abort", "message": message})
+        self._waiting = deque(s for s in self._waiting if not s.finished)
+        self._retire()
+        return len(victims)
+
+    def retract(self) -> None:
+        """Put running sequences back in the queue; their KV cache is recomputed on admission."""
+        self._waiting.extendleft(reversed(self._running))
+        self._running, self._kv = [], None
+
+    @property
+    def load(self) -> tuple[int, int]:
+        return len(self._running), len(self._waiting)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stopping:
+            idle = self.paused or not (self._running or self._waiting)
+            self._drain(block=idle)
+            if self.paused or self._stopping:
+                continue
+            try:
+                with torch.inference_mode():
+                    self._admit()
+                    if self._running:
+                        self._decode()
+            except Exception as exc:  # a failing step must not hang its clients: fail them, keep serving
+                log.exception("engine step failed")
+                self.abort(None, f"engine step failed: {exc!r}")
+                self._running, self._kv = [], None
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, Sequence):
+                self._waiting.append(item)
+            else:
+                fn, future = item
+                try:
+                    future.set_result(fn())
+                except Exception as exc:
+                    future.set_exception(exc)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _shutdown(self) -> None:
+        self.abort(None, "engine shutting down")
+        self._stopping = True
+
+    # ---- admission and decoding ------------------------------------------------------------
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            seq = self._waiting.popleft()
+            if not seq.output_ids:
+                seq.weight_version = self.weight_version
+                if seq.spec.seed is not None:
+                    seq.generator = torch.Generator().manual_seed(seq.spec.seed)
+                if seq.spec.params.max_new_tokens == 0:
+                    self._finish(seq, {"type": "length", "length": 0})
+                    continue
+            # Prefill alone (no padding inside the forward), then join the batch's cache.
+            # A retracted sequence re-reads its own sampled tokens except the last, which decode feeds.
+            ids = seq.spec.prompt_ids + seq.output_ids[:-1]
+            cache = DynamicCache(config=self.model.config)
+            logits = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
+            kv = BatchCache(cache, torch.ones(1, len(ids), dtype=torch.long))
+            if not seq.output_ids:
+                self._append(seq, *self._sample(seq, logits))
+                if seq.finished:
+                    continue
+            self._kv = kv if self._kv is None else self._kv.merge(kv)
+            self._running.append(seq)
+
+    def _decode(self) -> None:
+        assert self._kv is not None
+        last = torch.tensor([[s.output_ids[-1]] for s in self._running])
+        positions = torch.tensor([[len(s.spec.prompt_ids) + len(s.output_ids) - 1] for s in self._running])
+        mask = self._kv.grow()
+        logits = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
+                            cache=self._kv.cache, use_cache=True).logits[:, -1]
+        for seq, row in zip(self._running, logits):
+            self._append(seq, *self._sample(seq, row))
+        self._retire()
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, float]:
+        p = seq.spec.params
+        return sample_token(logits, p.temperature, p.top_k, p.top_p, seq.generator)
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.logprobs.append(logprob)  # before the id: readers take len(output_ids) tokens, lock-free
+        seq.output_ids.append(token)
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self._finish(seq, reason)
+        elif seq.stream:
+            seq.notify(len(seq.output_ids))
+
+    def _stop_reason(self, seq: Sequence, token: int) -> dict[str, Any] | None:
+        p = seq.spec.params
+        if token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in self.eos_token_ids):
+            return {"type": "stop", "matched": token}
+        if p.stop:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
+            hits = [(text.find(s), s) for s in p.stop_strings() if s in text]
+            if hits:
+                at, matched = min(hits)
+                seq.stop_text_at = at + (len(matched) if p.no_stop_trim else 0)
+                return {"type": "stop", "matched": matched}
+        if len(seq.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        return None
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        if not seq.finished:
+            seq.finish_reason = reason
+            seq.notify(len(seq.output_ids))
+
+    def _retire(self) -> None:
+        keep = [i for i, s in enumerate(self._running) if not s.finished]
+        if len(keep) == len(self._running):
+            return
+        self._running = [self._running[i] for i in keep]
+        self._kv = self._kv.select(keep) if keep and self._kv is not None else None

@@ -1,0 +1,288 @@
+"""The engine's HTTP front: SGLang's native API subset on FastAPI, over one `Scheduler`.
+
+    POST /generate                 input_ids | text (single or batch), sampling_params, return_logprob,
+                                   stream (SSE), rid  ->  {text, output_ids, meta_info} (or a list)
+    POST /update_weights_from_disk {model_path, weight_version?}; a failed load keeps the old weights
+    POST /pause_generation {mode}, /continue_generation, /abort_request {rid | abort_all},
+         /flush_cache, /update_weight_version {new_version}
+    GET  /health, /health_generate, /model_info (= /get_model_info), /get_weight_version
+
+Errors: malformed JSON, wrong types and impossible values are 400 with {"error": {"message": ...}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stepline.engine.protocol import (
+    AbortRequest, BadRequest, GenerateRequest, PauseRequest, UpdateWeightsRequest, UpdateWeightVersionRequest,
+    expand,
+)
+from stepline.engine.scheduler import Scheduler, Sequence
+
+__all__ = ["create_app", "load_model"]
+
+
+def load_model(path: Path | str):
+    """The model in `path` for inference on CPU (float32, eval mode)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def create_app(model_dir: Path | str, *, incremental_streaming: bool = False, max_running: int = 64,
+               context_length: int | None = None, weight_version: str = "0") -> FastAPI:
+    """The engine as an ASGI app; its scheduler thread runs while the app's lifespan does."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = load_model(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    scheduler = Scheduler(model, tokenizer, _eos_ids(model, tokenizer), weight_version, max_running)
+    state = _State(scheduler, tokenizer, str(model_dir), context_length or model.config.max_position_embeddings,
+                   incremental_streaming)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        yield
+        await run_in_threadpool(scheduler.stop)
+
+    app = FastAPI(title="stepline engine", lifespan=lifespan)
+    app.state.engine = state
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(BadRequest, _bad_request)
+    _routes(app, state)
+    return app
+
+
+class _State:
+    def __init__(self, scheduler: Scheduler, tokenizer, model_path: str, context_length: int,
+                 incremental: bool) -> None:
+        self.scheduler, self.tokenizer, self.model_path = scheduler, tokenizer, model_path
+        self.context_length, self.incremental = context_length, incremental
+        self.update_lock = asyncio.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.scheduler.model.config.vocab_size
+
+    def control(self, fn) -> asyncio.Future:
+        return asyncio.wrap_future(self.scheduler.call(fn))
+
+
+def _routes(app: FastAPI, st: _State) -> None:
+    @app.post("/generate")
+    async def generate(req: GenerateRequest) -> Response:
+        specs, is_batch = expand(req, st.vocab_size, st.context_length, st.tokenizer.encode,
+                                 lambda: uuid.uuid4().hex)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        seqs = [Sequence(spec, _notifier(loop, events, spec.index), stream=req.stream) for spec in specs]
+        started = time.perf_counter()
+        for seq in seqs:
+            st.scheduler.submit(seq)
+        if req.stream:
+            return StreamingResponse(_sse(st, req, seqs, events, started), media_type="text/event-stream")
+        try:
+            for _ in seqs:
+                await events.get()  # one notification per sequence: its finish
+        except asyncio.CancelledError:
+            _abort_unfinished(st, seqs)
+            raise
+        results = [_result(st, req, s, len(s.output_ids), 0, started) for s in seqs]
+        return _json(results if is_batch else results[0])
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsRequest) -> Response:
+        async with st.update_lock:
+            old = st.scheduler.model
+            try:
+                if not Path(req.model_path).is_dir():
+                    raise BadRequest(f"model_path {req.model_path!r} is not a directory")
+                new = await run_in_threadpool(load_model, req.model_path)
+                _check_compatible(old, new)
+            except Exception as exc:  # the edge: any load failure is the caller's path; old weights stay
+                return _json({"success": False, "message": f"Failed to load weights: {exc}"}, 400)
+            version = req.weight_version or _bump(st.scheduler.weight_version)
+
+            def swap() -> None:
+                if req.abort_all_requests:
+                    st.scheduler.abort(None, "aborted for a weight update")
+                st.scheduler.model, st.scheduler.weight_version = new, version
+
+            await st.control(swap)
+            st.model_path = req.model_path
+        return _json({"success": True, "message": "Succeeded to update model weights.",
+                      "num_paused_requests": 0, "weight_version": version})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(req: UpdateWeightVersionRequest) -> Response:
+        def set_version() -> None:
+            if req.abort_all_requests:
+                st.scheduler.abort(None, "aborted for a weight version update")
+            st.scheduler.weight_version = req.new_version
+
+        await st.control(set_version)
+        return _json({"success": True, "message": "Weight version updated.", "weight_version": req.new_version})
+
+    @app.post("/pause_generation")
+    async def pause_generation(req: PauseRequest | None = None) -> Response:
+        mode = (req or PauseRequest()).mode
+
+        def pause() -> None:
+            st.scheduler.paused = True
+            if mode == "abort":
+                st.scheduler.abort(None, "aborted by pause_generation")
+            elif mode == "retract":
+                st.scheduler.retract()
+
+        await st.control(pause)
+        return _json({"success": True, "message": f"Generation paused ({mode})."})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        await st.control(lambda: setattr(st.scheduler, "paused", False))
+        return _json({"success": True, "message": "Generation continued."})
+
+    @app.post("/abort_request")
+    async def abort_request(req: AbortRequest) -> Response:
+        if not req.abort_all and not req.rid:
+            raise BadRequest("give rid or abort_all: true")
+        count = await st.control(lambda: st.scheduler.abort(None if req.abort_all else req.rid))
+        return _json({"success": True, "aborted": count})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return PlainTextResponse("Cache flushed.\n")  # no prefix cache to flush; running KV stays valid
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> Response:
+        running, waiting = st.scheduler.load
+        return _json({"model_path": st.model_path, "tokenizer_path": st.model_path, "is_generation": True,
+                      "weight_version": st.scheduler.weight_version, "vocab_size": st.vocab_size,
+                      "context_length": st.context_length, "paused": st.scheduler.paused,
+                      "running_requests": running, "waiting_requests": waiting,
+                      "eos_token_ids": sorted(st.scheduler.eos_token_ids)})
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        return _json({"weight_version": st.scheduler.weight_version})
+
+
+async def _sse(st: _State, req: GenerateRequest, seqs: list[Sequence], events: asyncio.Queue, started: float):
+    """SSE chunks: cumulative (SGLang's default) or, behind the server flag, only what is new."""
+    sent = [0] * len(seqs)
+    done = 0
+    try:
+        while done < len(seqs):
+            index, n = await events.get()
+            seq = seqs[index]
+            if sent[index] < 0:
+                continue  # already finished; a stale notification
+            finished = seq.finished and n == len(seq.output_ids)
+            chunk = _result(st, req, seq, n, sent[index] if st.incremental else 0, started,
+                            final=finished, index=index)
+            sent[index] = -1 if finished else n
+            done += finished
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    finally:
+        _abort_unfinished(st, seqs)
+
+
+def _result(st: _State, req: GenerateRequest, seq: Sequence, n: int, start: int, started: float,
+            final: bool = True, index: int | None = None) -> dict[str, Any]:
+    """One sequence's result over its output tokens [start, n) (start > 0 only for incremental chunks)."""
+    reason = seq.finish_reason if final else None
+    p = seq.spec.params
+    ids = seq.output_ids[:n]
+    text_ids = ids[:-1] if reason and isinstance(reason.get("matched"), int) and not p.no_stop_trim else ids
+    text = st.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
+    if reason and seq.stop_text_at is not None:
+        text = text[: seq.stop_text_at]
+    if start:
+        # Incremental chunks: the text since the previous chunk. Decoding the prefix again keeps
+        # multi-byte characters split across tokens intact.
+        text = text[len(st.tokenizer.decode(ids[:start], skip_special_tokens=p.skip_special_tokens)):]
+    meta: dict[str, Any] = {
+        "id": seq.spec.rid, "finish_reason": reason, "prompt_tokens": len(seq.spec.prompt_ids),
+        "completion_tokens": n, "cached_tokens": 0, "weight_version": seq.weight_version,
+        "e2e_latency": time.perf_counter() - started,
+    }
+    if req.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, st.tokenizer.decode([tok]) if req.return_text_in_logprobs else None]
+            for lp, tok in zip(seq.logprobs[start:n], ids[start:])
+        ]
+    out = {"text": text, "output_ids": ids[start:], "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def _notifier(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
+    def notify(tokens: int) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(events.put_nowait, (index, tokens))
+
+    return notify
+
+
+def _abort_unfinished(st: _State, seqs: list[Sequence]) -> None:
+    rids = {s.spec.rid for s in seqs if not s.finished}
+    if rids:
+        st.scheduler.call(lambda: [st.scheduler.abort(rid, "client disconnected") for rid in rids])
+
+
+def _check_compatible(old, new) -> None:
+    old_shapes = {k: tuple(v.shape) for k, v in old.state_dict().items()}
+    new_shapes = {k: tuple(v.shape) for k, v in new.state_dict().items()}
+    if old_shapes != new_shapes:
+        diff = sorted(set(old_shapes.items()) ^ set(new_shapes.items()))[:3]
+        raise BadRequest(f"weights do not match the served architecture (e.g. {diff})")
+
+
+def _bump(version: str) -> str:
+    return str(int(version) + 1) if version.isdigit() else version + "+1"
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = ids if isinstance(ids, list) else [ids]
+    return sorted({i for i in itertools.chain(ids, [model.config.eos_token_id, tokenizer.eos_token_id])
+                   if i is not None})
+
+
+def _json(content: Any, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(content), status_code=status_code, media_type="application/json")
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    errors = exc.errors()
+    if any(e["type"] == "json_invalid" for e in errors):
+        return _json({"error": {"message": "the request body is not valid JSON", "type": "BadRequest"}}, 400)
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors[:5])
+    return _json({"error": {"message": f"invalid request: {problems}", "type": "BadRequest"}}, 400)
+
+
+async def _bad_request(request: Request, exc: BadRequest) -> Response:
+    return _json({"error": {"message": str(exc), "type": "BadRequest"}}, 400)
+
