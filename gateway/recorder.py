@@ -67,6 +67,8 @@ class Recorder:
 
     # --- lifecycle ---
     async def start(self) -> None:
+        if self._thread is not None:  # already running (start may be called by the app and its runner)
+            return
         metrics.QUEUE_DEPTH.set_function(lambda: len(self._queue))
         self._thread = threading.Thread(target=self._run, name="recorder", daemon=True)
         self._thread.start()

@@ -61,6 +61,8 @@ class EngineRouter:
             self.healthy[client.url] = ok
 
     async def start(self) -> None:
+        if self._task is not None:  # already running
+            return
         await self.check_health()
         self._task = asyncio.create_task(self._loop(), name="engine-health")
 

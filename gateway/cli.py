@@ -1,0 +1,129 @@
+"""`stepline gateway`: the recording gateway in front of one or more engines.
+
+    stepline gateway --engine http://127.0.0.1:30000 [--engine URL ...] [--engine-kind builtin|sglang|vllm]
+                     --model DIR --pool sqlite:///pool.db --port 8000 [--admin-token T]
+
+`running_gateway` composes the parts (shared upstream HTTP session, adapters, router, recorder,
+weight gate, the app) and shuts them down in order: stop accepting, finish in-flight calls, flush
+the recorder, close the pool. The benchmark and tests use it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import click
+from aiohttp import web
+
+from datapool.base import Pool
+from gateway.engines import ENGINE_KINDS, EngineRouter, make_engine
+from gateway.recorder import Recorder
+from gateway.weights import WeightGate
+
+__all__ = ["Gateway", "gateway_command", "running_gateway"]
+
+log = logging.getLogger("stepline.gateway")
+
+
+@dataclass
+class Gateway:
+    """A running gateway's parts (for tests and benchmarks)."""
+
+    url: str
+    router: EngineRouter
+    recorder: Recorder
+    gate: WeightGate
+    app: web.Application
+
+
+@asynccontextmanager
+async def running_gateway(
+    settings,  # gateway.config.GatewaySettings
+    engine_urls: list[str],
+    model_dir: Path,
+    pool: Pool,
+    engine_kind: str = "builtin",
+    engine_timeout: float = 600.0,
+    initial_version: int = 0,
+    max_connections: int = 4096,
+) -> AsyncIterator[Gateway]:
+    """Serve the gateway on settings.host:settings.port (0: a free port) until the block exits.
+    The pool is not closed here (the caller opened it)."""
+    from gateway.app import create_app
+
+    # one upstream session for every engine call (DESIGN §6); aiohttp's default of 100 connections
+    # would cap the calls in flight
+    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=max_connections)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        router = EngineRouter([make_engine(u, engine_kind, http, engine_timeout) for u in engine_urls])
+        recorder = Recorder(pool)
+        gate = WeightGate(router, max_wait=settings.max_wait_paused, initial_version=initial_version)
+        await router.start()
+        await recorder.start()
+        app = create_app(settings, router, recorder, gate, model_dir)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, settings.host, settings.port)
+            await site.start()
+            host, port = runner.addresses[0][:2]
+            yield Gateway(f"http://{host}:{port}", router, recorder, gate, app)
+        finally:
+            await runner.cleanup()  # stop accepting, let in-flight handlers finish
+            await recorder.aclose()  # every recorded call reaches the pool
+            await router.aclose()
+
+
+@click.command("gateway")
+@click.option("--engine", "engines", multiple=True, required=True, help="Engine base URL (repeat for several).")
+@click.option("--engine-kind", type=click.Choice(ENGINE_KINDS), default="builtin", show_default=True,
+              help="Wire format of the engines: builtin and sglang speak /generate, vllm /v1/completions.")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Model directory: its tokenizer and chat template render the prompts.")
+@click.option("--pool", "pool_url", required=True,
+              help="Data pool: sqlite:///path.db, postgresql://..., or http://host:port (stepline pool serve).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--admin-token", default=lambda: os.environ.get("STEPLINE_ADMIN_TOKEN"),
+              help="Token for /admin/* and POST /sessions [env STEPLINE_ADMIN_TOKEN]; none: open to anyone.")
+@click.option("--public-url", default=None, help="Base URL handed to harnesses (default: from each request's Host).")
+@click.option("--model-name", default="stepline", show_default=True, help="Model id served on /v1/models.")
+@click.option("--strict-template", is_flag=True, help="Render every turn with the template (fork where it rewrites history).")
+@click.option("--engine-timeout", default=600.0, show_default=True, help="Seconds an engine call may take.")
+@click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
+def gateway_command(engines: tuple[str, ...], engine_kind: str, model_dir: Path, pool_url: str, host: str, port: int,
+                    admin_token: str | None, public_url: str | None, model_name: str, strict_template: bool,
+                    engine_timeout: float, initial_version: int) -> None:
+    """Run the recording gateway in front of one or more engines."""
+    from datapool import open_pool
+    from gateway.config import GatewaySettings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = GatewaySettings(host=host, port=port, admin_token=admin_token, public_url=public_url,
+                               model_name=model_name, strict_template=strict_template)
+    if admin_token is None:
+        log.warning("no --admin-token: /admin/* and POST /sessions are open to anyone who can reach port %d", port)
+    pool = open_pool(pool_url)
+    try:
+        asyncio.run(_serve(settings, list(engines), engine_kind, model_dir, pool, engine_timeout, initial_version))
+    finally:
+        pool.close()
+
+
+async def _serve(settings, engines: list[str], kind: str, model_dir: Path, pool: Pool, timeout: float, version: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with running_gateway(settings, engines, model_dir, pool, kind, timeout, version) as gw:
+        print(f"stepline gateway on {gw.url} -> {', '.join(engines)} ({kind}); Ctrl-C stops", flush=True)
+        await stop.wait()
+        log.info("stopping: finishing in-flight calls and flushing records to the pool")
