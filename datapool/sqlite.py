@@ -1,0 +1,54 @@
+"""The SQLite pool (the embedded default): one file in WAL mode.
+
+`synchronous=FULL` (the default here) makes every acknowledged batch survive a power loss, not only a
+killed process; `sqlite:///pool.db?synchronous=normal` trades that for speed (a killed process still
+loses nothing acknowledged in WAL mode).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from datapool.base import PoolError
+from datapool.sql import SQLITE, SqlPool
+
+SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+
+class SqlitePool(SqlPool):
+    dialect = SQLITE
+
+    def __init__(self, path: str, read_only: bool = False, synchronous: str = "FULL") -> None:
+        if synchronous.upper() not in SYNCHRONOUS:
+            raise PoolError(f"synchronous must be one of {SYNCHRONOUS}, got {synchronous!r}")
+        try:
+            if read_only and path != ":memory:":
+                conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None,
+                                       check_same_thread=False, timeout=30)
+            else:
+                conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            conn.execute("PRAGMA busy_timeout=30000")
+        except sqlite3.Error as exc:
+            raise PoolError(f"cannot open SQLite pool {path!r}: {exc}") from exc
+        super().__init__(conn, read_only)
+        self._lock = threading.RLock()  # one connection, possibly shared by a service's threads
+        if not read_only:
+            self._create_schema()
+
+    @contextmanager
+    def _transaction(self, write: bool) -> Iterator[Any]:
+        with self._lock:
+            cur = self.conn.cursor()
+            cur.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                yield cur
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            cur.execute("COMMIT")
