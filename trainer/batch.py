@@ -1,0 +1,138 @@
+"""From claimed groups to what the update needs: step rows for the advantages, token views for the losses.
+
+    batch = build_batch(groups, keep_group=...)     # Batch: E episodes, S step rows; skipped groups counted
+    view = token_view(batch, [0, 1, 2])             # TokenView: one packed forest + per-token segment ids
+
+A *step row* is one (trajectory, call) pair, as the advantage estimators expect; a call shared by two
+forks has two rows but its tokens exist once (DESIGN.md §2.2: each sampled token trains once per update),
+so its tokens point at one of its rows, the main trajectory's if it is on it. Per-step advantages reach
+the tokens as `advantages[view.step_ids]`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from datapool.records import EpisodeData, Group
+from trainer.algorithms import AdvantageInputs, group_index
+from trainer.tree_forward import PackedForest, pack_forest, training_nodes
+
+__all__ = ["Batch", "TokenView", "build_batch", "micro_batches", "token_view"]
+
+
+@dataclass
+class Batch:
+    episodes: list[EpisodeData]  # E episodes that train
+    outcome: torch.Tensor  # float32 [E]: terminal reward (plus any shaping)
+    episode_group: torch.Tensor  # int64 [E]: group index (task × harness)
+    step_episode: torch.Tensor  # int64 [S]
+    step_traj: torch.Tensor  # int64 [S]: global trajectory index
+    step_position: torch.Tensor  # int64 [S]: index of the step within its trajectory
+    step_call: torch.Tensor  # int64 [S]: call index of the step
+    step_reward: torch.Tensor  # float32 [S]: dense per-step reward
+    token_rows: dict[tuple[int, int], int]  # (episode, call_index) -> the step row that owns the call's tokens
+    group_ids: list[str]  # every claimed group, trained or skipped (all are consumed)
+    sessions: dict[str, list[str]]  # group id -> its session ids
+    skipped: Counter = field(default_factory=Counter)  # reason -> groups skipped
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.step_episode.numel())
+
+    def owner_rows(self) -> torch.Tensor:
+        """int64 [S]: for each step row, the row that owns its call's tokens (itself unless the call is shared)."""
+        return torch.tensor([self.token_rows[(int(e), int(c))] for e, c in zip(self.step_episode, self.step_call)],
+                            dtype=torch.int64)
+
+    def advantage_inputs(self, values: torch.Tensor | None = None) -> AdvantageInputs:
+        return AdvantageInputs(outcome=self.outcome, episode_group=self.episode_group,
+                               step_episode=self.step_episode, step_traj=self.step_traj,
+                               step_position=self.step_position, step_reward=self.step_reward, values=values)
+
+
+@dataclass
+class TokenView:
+    """The tokens of some episodes of a batch, packed for one forward pass (A action tokens)."""
+
+    forest: PackedForest
+    step_ids: torch.Tensor  # int64 [A]: step row of each token
+    traj_ids: torch.Tensor  # int64 [A]: global trajectory of each token
+    episode_ids: torch.Tensor  # int64 [A]: global episode of each token
+
+
+def finite_group(group: Group) -> bool:
+    """False if any reward or any behaviour logprob on a training trajectory is NaN or infinite."""
+    for ep in group.episodes:
+        if not all(math.isfinite(r.value) and math.isfinite(r.weight) for r in ep.rewards):
+            return False
+        if not all(np.isfinite(n.logprobs).all() for n in training_nodes(ep) if n.kind == "act"):
+            return False
+    return True
+
+
+def build_batch(groups: list[Group], keep_group: Callable[[Group], str | None] = lambda g: None,
+                shaping: Callable[[EpisodeData], float] = lambda e: 0.0,
+                keep_episode: Callable[[EpisodeData], bool] = lambda e: True) -> Batch:
+    """Flatten groups into step rows. `keep_group` returns a reason to skip a group (or None to keep it);
+    groups with non-finite rewards or logprobs are always skipped; `shaping` adds to each outcome;
+    `keep_episode` filters episodes of kept groups (SFT: chosen episodes only)."""
+    skipped: Counter = Counter()
+    episodes: list[EpisodeData] = []
+    for group in groups:
+        reason = "non_finite" if not finite_group(group) else keep_group(group)
+        reason = reason or (None if any(ep.trajectories for ep in group.episodes) else "empty")
+        if reason:
+            skipped[reason] += 1
+            continue
+        episodes.extend(ep for ep in group.episodes if ep.trajectories and keep_episode(ep))
+    rows: dict[str, list] = {k: [] for k in ("episode", "traj", "position", "reward", "call")}
+    token_rows: dict[tuple[int, int], int] = {}
+    traj_counter = 0
+    for e, ep in enumerate(episodes):
+        for traj in sorted(ep.trajectories, key=lambda t: not t.is_main):  # the main trajectory claims shared steps
+            for position, step in enumerate(traj.steps):
+                token_rows.setdefault((e, step.call_index), len(rows["episode"]))
+                rows["episode"].append(e)
+                rows["traj"].append(traj_counter)
+                rows["position"].append(position)
+                rows["reward"].append(step.reward)
+                rows["call"].append(step.call_index)
+            traj_counter += 1
+    return Batch(
+        episodes=episodes,
+        outcome=torch.tensor([ep.outcome + shaping(ep) for ep in episodes], dtype=torch.float32),
+        episode_group=group_index([ep.info.group_key for ep in episodes]),
+        step_episode=torch.tensor(rows["episode"], dtype=torch.int64),
+        step_traj=torch.tensor(rows["traj"], dtype=torch.int64),
+        step_position=torch.tensor(rows["position"], dtype=torch.int64),
+        step_reward=torch.tensor(rows["reward"], dtype=torch.float32),
+        step_call=torch.tensor(rows["call"], dtype=torch.int64),
+        token_rows=token_rows,
+        group_ids=[g.group_id for g in groups],
+        sessions={g.group_id: [ep.info.session_id for ep in g.episodes] for g in groups},
+        skipped=skipped,
+    )
+
+
+def token_view(batch: Batch, episode_indices: list[int]) -> TokenView:
+    forest = pack_forest([batch.episodes[i] for i in episode_indices])
+    global_episode = torch.tensor(episode_indices, dtype=torch.int64)[forest.episode]
+    rows = torch.tensor([batch.token_rows[(int(e), int(c))] for e, c in zip(global_episode, forest.call_index)],
+                        dtype=torch.int64)
+    return TokenView(forest=forest, step_ids=rows, traj_ids=batch.step_traj[rows], episode_ids=global_episode)
+
+
+def micro_batches(episode_indices: list[int], per_micro: int) -> list[list[int]]:
+    """Split episodes into forward passes of at most `per_micro` sessions (a session is never split)."""
+    return [episode_indices[i : i + per_micro] for i in range(0, len(episode_indices), per_micro)]
+
+
+def action_tokens(episode: EpisodeData) -> int:
+    """Sampled tokens of an episode's training trajectories, each counted once."""
+    return int(sum(len(n.tokens) for n in training_nodes(episode) if n.kind == "act"))

@@ -1,0 +1,148 @@
+"""Checkpoints and the claim journal: a trainer killed with -9 restarts where it stopped, and no group is
+trained twice or lost.
+
+The rule that makes it hold: *consumed* is committed together with the model. A group that was claimed
+and trained goes into the checkpoint's `consumed` list; only after that checkpoint is on disk is it
+marked consumed in the pool. Every claim is first appended (fsync'd) to a journal, so after a crash the
+trainer knows what it held:
+
+    claimed, not in the checkpoint  -> the model that trained it is lost: release it, it trains again
+    in the checkpoint               -> trained into the restored model: (re-)mark it consumed, never again
+
+A checkpoint is a directory `ckpt-{update:06d}` (HF model in safetensors, optimizer, scheduler, value head,
+RNG states, `state.json`) written under a temporary name and renamed; `latest` names the newest one and
+is replaced atomically, so a crash mid-write leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["ClaimJournal", "TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+
+@dataclass
+class TrainerState:
+    """The loop's counters and the groups trained into the model (group id -> its session ids)."""
+
+    update: int = 0  # policy updates done
+    version: int = 0  # weight version of the current policy (stamps the engines' calls after a push)
+    optimizer_steps: int = 0
+    consumed: dict[str, list[str]] = field(default_factory=dict)  # every group trained into this model
+    unacked: list[str] = field(default_factory=list)  # consumed since the previous checkpoint (pool not told yet)
+
+
+def save_checkpoint(root: Path, state: TrainerState, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, value_head: nn.Module | None = None, keep: int = 2) -> Path:
+    root = Path(root)
+    out = root / f"ckpt-{state.update:06d}"
+    tmp = root / f".{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp / "model", safe_serialization=True)
+    extra = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
+             "value_head": value_head.state_dict() if value_head is not None else None}
+    torch.save(extra, tmp / "trainer.pt")
+    (tmp / "state.json").write_text(json.dumps(state.__dict__))
+    _fsync_dir(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    _atomic_write(root / "latest", out.name)
+    for old in sorted(root.glob("ckpt-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    pointer = Path(root) / "latest"
+    return Path(root) / pointer.read_text().strip() if pointer.is_file() else None
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    value_head: nn.Module | None = None) -> TrainerState:
+    """Restore everything saved by `save_checkpoint` into the given objects; return the loop state."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted((path / "model").glob("*.safetensors")):
+        weights.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {k for k in missing if "lm_head" in k}  # tied embeddings are saved once
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
+    extra = torch.load(path / "trainer.pt", weights_only=False)
+    optimizer.load_state_dict(extra["optimizer"])
+    scheduler.load_state_dict(extra["scheduler"])
+    if value_head is not None and extra["value_head"] is not None:
+        value_head.load_state_dict(extra["value_head"])
+    _set_rng_state(extra["rng"])
+    return TrainerState(**json.loads((path / "state.json").read_text()))
+
+
+class ClaimJournal:
+    """Append-only record of claimed group ids, fsync'd before the groups are used."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, group_ids: list[str]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(group_ids) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def claimed(self) -> list[str]:
+        if not self.path.is_file():
+            return []
+        ids: list[str] = []
+        for line in self.path.read_text().splitlines():
+            try:
+                ids.extend(json.loads(line))
+            except json.JSONDecodeError:  # a line torn by the crash was never acted on
+                continue
+        return ids
+
+    def reset(self) -> None:
+        _atomic_write(self.path, "")
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())

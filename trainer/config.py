@@ -1,0 +1,157 @@
+"""The trainer's configuration: one typed model, every field defaulted and documented, checked at load.
+
+Errors name the field (pydantic's ValidationError carries its location), and everything that can be
+checked before the run starts is: algorithm names against the registries of `trainer.algorithms`,
+their hyper-parameters against the functions' signatures, batch-size divisibility, ranges, the model
+directory. Components never receive this object: the loop hands them plain values.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["TrainerConfig"]
+
+
+class TrainerConfig(BaseModel):
+    """The [trainer] table of a job file."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # --- what to train, where to write ---
+    model_dir: Path = Field(Path("model"), description="Hugging Face model directory to start from")
+    output_dir: Path = Field(Path("runs/train"), description="checkpoints, pushed weights and logs go here")
+    mode: Literal["rl", "sft"] = Field("rl", description="rl: policy optimisation; sft: cross-entropy warm start")
+    consumer: str = Field("trainer", description="name under which this trainer claims groups from the pool")
+    seed: int = Field(0, description="seed of torch/numpy/python RNGs")
+    device: str = Field("auto", description="torch device: auto (cuda if available) | cpu | cuda | cuda:N")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype of the policy")
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="HF attention for the tree mask")
+
+    # --- data ---
+    groups_per_update: int = Field(8, ge=1, description="groups claimed from the pool per policy update")
+    group_size: int | None = Field(None, ge=1, description="minimum sessions per group (None: any)")
+    leaf_rule: Literal["all", "drop_superseded", "main"] = Field("drop_superseded",
+                                                                 description="which leaves of a tree train")
+    max_staleness: int = Field(4, description="train only on data at most this many versions behind the policy")
+    dynamic_sampling: bool = Field(True, description="skip groups whose rewards do not vary (no signal)")
+    overlong_max_len: int | None = Field(None, ge=1, description="DAPO overlong shaping: max trajectory tokens")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: soft-penalty buffer before max")
+    overlong_factor: float = Field(1.0, ge=0, description="DAPO overlong shaping: penalty at max_len")
+    sft_min_reward: float | None = Field(None, description="sft: train only episodes with outcome >= this")
+
+    # --- algorithm (names from trainer.algorithms registries) ---
+    advantage: str = Field("grpo", description="advantage estimator, a key of ADVANTAGES")
+    advantage_args: dict[str, Any] = Field(default_factory=dict, description="keyword hyper-parameters for it")
+    ratio: str = Field("step", description="importance ratio level, a key of RATIOS: token | step | sequence")
+    loss_aggregation: str = Field("episode-mean", description="a name in AGGREGATIONS")
+    clip_low: float = Field(0.2, ge=0, description="lower clip epsilon of the surrogate")
+    clip_high: float = Field(0.28, ge=0, description="upper clip epsilon (clip-higher)")
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c for negative advantages")
+    old_logprobs: Literal["engine", "recompute"] = Field(
+        "engine", description="ratio denominator: engine's recorded logprobs, or the trainer's own at update start "
+        "(decoupled objective, with truncated IS against the engine)")
+    tis_cap: float = Field(2.0, gt=0, description="truncation of the IS weight trainer/engine (recompute only)")
+    tis_level: Literal["token", "step"] = Field("step", description="IS weight per token or per step")
+    kl_coef: float = Field(0.0, ge=0, description="weight of KL(policy || frozen reference); 0 loads no reference")
+    kl_estimator: str = Field("k3", description="a key of KL_ESTIMATORS: k1 | k2 | k3")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
+
+    # --- critic ---
+    critic: bool = Field(False, description="train a value head on the policy's final hidden states")
+    critic_warmup_updates: int = Field(0, ge=0, description="updates that train only the critic at the start")
+    critic_lr: float = Field(1e-3, gt=0, description="learning rate of the value head")
+    value_coef: float = Field(0.5, ge=0, description="weight of the value loss")
+    value_clip: float | None = Field(0.2, gt=0, description="value clipping range (None: unclipped)")
+
+    # --- optimisation ---
+    epochs: int = Field(1, ge=1, description="passes over each update's data")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per epoch; must divide groups_per_update")
+    micro_batch_episodes: int = Field(8, ge=1, description="sessions per forward pass (gradient accumulation)")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="lr schedule after warm-up")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear lr warm-up")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping by global norm")
+    max_updates: int | None = Field(None, ge=1, description="stop after this many updates (None: run until idle)")
+    idle_timeout: float | None = Field(None, gt=0, description="stop when the pool has no ready group for this long")
+    poll_interval: float = Field(0.5, gt=0, description="seconds between claims when the pool has nothing ready")
+
+    # --- weights, checkpoints, logs ---
+    push_every: int = Field(1, ge=1, description="push weights to the gateway every k updates")
+    gateway_url: str | None = Field(None, description="gateway base URL for /admin/update_weights (None: no push)")
+    admin_token: str | None = Field(None, description="gateway admin token (or env STEPLINE_ADMIN_TOKEN)")
+    keep_weights: int = Field(2, ge=1, description="pushed weight directories kept on disk")
+    checkpoint_every: int = Field(10, ge=1, description="checkpoint every k updates (and at the end)")
+    tensorboard: bool = Field(True, description="also write metrics to TensorBoard under output_dir/tb")
+    progress: bool = Field(True, description="show a live progress bar")
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("max_staleness must be >= 0 (0 = on-policy only)")
+        return v
+
+    @field_validator("model_dir")
+    @classmethod
+    def _model(cls, v: Path) -> Path:
+        if not (v / "config.json").is_file():
+            raise ValueError(f"no Hugging Face model at {v} (config.json missing)")
+        return v
+
+    @field_validator("advantage")
+    @classmethod
+    def _advantage(cls, v: str) -> str:
+        from trainer.algorithms import ADVANTAGES
+
+        return _known(v, ADVANTAGES)
+
+    @field_validator("ratio")
+    @classmethod
+    def _ratio(cls, v: str) -> str:
+        from trainer.algorithms import RATIOS
+
+        return _known(v, RATIOS)
+
+    @field_validator("loss_aggregation")
+    @classmethod
+    def _aggregation(cls, v: str) -> str:
+        from trainer.algorithms import AGGREGATIONS
+
+        return _known(v, AGGREGATIONS)
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _kl(cls, v: str) -> str:
+        from trainer.algorithms import KL_ESTIMATORS
+
+        return _known(v, KL_ESTIMATORS)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainerConfig:
+        from trainer.algorithms import ADVANTAGES
+
+        if self.groups_per_update % self.minibatches:
+            raise ValueError(f"groups_per_update ({self.groups_per_update}) must be divisible by "
+                             f"minibatches ({self.minibatches})")
+        params = inspect.signature(ADVANTAGES[self.advantage]).parameters
+        unknown = sorted(set(self.advantage_args) - {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY})
+        if unknown:
+            raise ValueError(f"advantage_args: {unknown} not accepted by advantage {self.advantage!r}")
+        if self.advantage == "gae" and not self.critic:
+            raise ValueError("advantage 'gae' needs a critic: set critic = true")
+        if self.overlong_max_len is not None and self.overlong_buffer >= self.overlong_max_len:
+            raise ValueError("overlong_buffer must be smaller than overlong_max_len")
+        return self
+
+
+def _known(name: str, registry: Any) -> str:
+    if name not in registry:
+        raise ValueError(f"unknown name {name!r}; expected one of {sorted(registry)}")
+    return name

@@ -1,0 +1,193 @@
+"""The training loop: pull ready groups from the pool, update the policy, push weights, checkpoint.
+
+Rollouts and training overlap: the loop only *consumes* from the pool while harnesses keep producing
+into it through the gateway. The staleness bound decides how far the policy may run ahead of the data:
+a group is claimed only if all its action tokens were sampled by a version >= current - max_staleness
+(older groups are marked stale by the pool and never trained).
+
+    state = train(cfg, pool, sync)                 # until max_updates, idle_timeout, or an empty pool
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
+
+from datapool.base import Pool
+from datapool.records import Group
+from trainer.algorithms import has_reward_variance, overlong_penalty
+from trainer.batch import action_tokens, build_batch
+from trainer.checkpoint import ClaimJournal, TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.config import TrainerConfig
+from trainer.critic import ValueHead
+from trainer.metrics import MetricsLog, progress_bar
+from trainer.update import Objective, Policy, update
+from trainer.weight_sync import WeightSync, save_weights
+
+__all__ = ["build_policy", "train"]
+
+
+def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = False) -> TrainerState:
+    """Train until `max_updates`, or until the pool stays empty for `idle_timeout` (`offline`: at once)."""
+    seed_everything(cfg.seed)
+    policy = build_policy(cfg)
+    journal = ClaimJournal(cfg.output_dir / "claims.jsonl")
+    state = resume(cfg.output_dir / "checkpoints", policy, pool, cfg.consumer, journal)
+    if state.version > 0:
+        push_weights(cfg, policy, sync, state.version)  # engines may have restarted on the base weights
+    log = MetricsLog(cfg.output_dir, cfg.tensorboard)
+    idle_since = time.monotonic()
+    with progress_bar(cfg.max_updates, cfg.progress) as bar:
+        bar.update(0, completed=state.update)
+        while cfg.max_updates is None or state.update < cfg.max_updates:
+            groups = claim(pool, cfg, state, journal, offline)
+            if not groups:
+                if offline or idle_too_long(idle_since, cfg.idle_timeout):
+                    break
+                time.sleep(cfg.poll_interval)
+                continue
+            idle_since = time.monotonic()
+            batch = build_batch(groups, keep_group=group_filter(cfg), shaping=shaping(cfg),
+                                keep_episode=episode_filter(cfg))
+            metrics = update(policy, batch, objective(cfg, state.update, offline), state.version)
+            record_consumed(state, batch.sessions)
+            if state.update % cfg.push_every == 0:
+                push_weights(cfg, policy, sync, state.version)
+            if state.update % cfg.checkpoint_every == 0:
+                checkpoint(cfg, policy, state, pool, journal)
+            log.write(state.update, metrics)
+            bar.update(0, advance=1, description=f"reward {metrics['reward_mean']:.3f}  "
+                                                  f"{metrics['tokens_per_s']:.0f} tok/s")
+    checkpoint(cfg, policy, state, pool, journal)
+    log.close()
+    return state
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def device_of(cfg: TrainerConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def build_policy(cfg: TrainerConfig) -> Policy:
+    """Model, optional value head and frozen reference, AdamW (the head in its own group) and the schedule."""
+    device = device_of(cfg)
+    dtype = getattr(torch, cfg.dtype)
+
+    def load() -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=dtype,
+                                                    attn_implementation=cfg.attn_implementation).to(device)
+
+    model = load().train()
+    value_head = ValueHead(AutoConfig.from_pretrained(cfg.model_dir).hidden_size).to(device) if cfg.critic else None
+    reference = load().eval().requires_grad_(False) if cfg.kl_coef > 0 and cfg.mode == "rl" else None
+    param_groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.lr}]
+    if value_head is not None:
+        param_groups.append({"params": list(value_head.parameters()), "lr": cfg.critic_lr, "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    steps = cfg.max_updates * cfg.epochs * cfg.minibatches if cfg.max_updates else None
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[cfg.schedule]
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=steps)
+    return Policy(model=model, optimizer=optimizer, scheduler=scheduler, value_head=value_head, reference=reference)
+
+
+def resume(root: Path, policy: Policy, pool: Pool, consumer: str, journal: ClaimJournal) -> TrainerState:
+    """Restore the latest checkpoint and settle the claims the previous run held (see trainer.checkpoint)."""
+    path = latest_checkpoint(root)
+    state = TrainerState()
+    if path is not None:
+        state = load_checkpoint(path, policy.model, policy.optimizer, policy.scheduler, policy.value_head)
+    if state.unacked:
+        pool.mark_consumed(state.unacked, consumer)
+    lost = sorted(set(journal.claimed()) - set(state.consumed))
+    if lost:
+        pool.release_groups(lost, consumer)
+    journal.reset()
+    return state
+
+
+def claim(pool: Pool, cfg: TrainerConfig, state: TrainerState, journal: ClaimJournal, offline: bool) -> list[Group]:
+    # offline replay trains on stored data of any age; online, the staleness bound applies
+    min_version = -(2**31) if offline else state.version - cfg.max_staleness
+    groups = pool.claim_groups(cfg.consumer, min_version=min_version, max_groups=cfg.groups_per_update,
+                               group_size=cfg.group_size, leaf_rule=cfg.leaf_rule)
+    if groups:
+        journal.record([g.group_id for g in groups])
+    return groups
+
+
+def idle_too_long(since: float, timeout: float | None) -> bool:
+    return timeout is not None and time.monotonic() - since > timeout
+
+
+def group_filter(cfg: TrainerConfig):
+    """Dynamic sampling (RL): a group whose outcomes do not vary carries no signal."""
+
+    def reason(group: Group) -> str | None:
+        if cfg.mode == "rl" and cfg.dynamic_sampling and not has_reward_variance([e.outcome for e in group.episodes]):
+            return "no_variance"
+        return None
+
+    return reason
+
+
+def shaping(cfg: TrainerConfig):
+    """DAPO overlong shaping on the episode's sampled tokens (0 when not configured)."""
+    if cfg.overlong_max_len is None:
+        return lambda episode: 0.0
+    return lambda episode: float(overlong_penalty(torch.tensor([action_tokens(episode)]), max_len=cfg.overlong_max_len,
+                                                  buffer_len=cfg.overlong_buffer, factor=cfg.overlong_factor)[0])
+
+
+def episode_filter(cfg: TrainerConfig):
+    """SFT trains on chosen episodes only: outcome >= sft_min_reward."""
+    if cfg.mode != "sft" or cfg.sft_min_reward is None:
+        return lambda episode: True
+    return lambda episode: episode.outcome >= cfg.sft_min_reward
+
+
+def objective(cfg: TrainerConfig, update_index: int, offline: bool) -> Objective:
+    """The update's plain values, from the config (the only place the two meet)."""
+    return Objective(
+        mode=cfg.mode, advantage=cfg.advantage, advantage_args=dict(cfg.advantage_args), ratio=cfg.ratio,
+        aggregation=cfg.loss_aggregation, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+        old_logprobs=cfg.old_logprobs, tis_cap=cfg.tis_cap, tis_level=cfg.tis_level, kl_coef=cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, value_coef=cfg.value_coef,
+        value_clip=cfg.value_clip, critic_only=update_index < cfg.critic_warmup_updates and cfg.critic,
+        epochs=cfg.epochs, minibatches=cfg.minibatches, micro_batch_episodes=cfg.micro_batch_episodes,
+        max_grad_norm=cfg.max_grad_norm, max_staleness=None if offline else cfg.max_staleness,
+    )
+
+
+def record_consumed(state: TrainerState, sessions: dict[str, list[str]]) -> None:
+    state.update += 1
+    state.version += 1
+    state.consumed.update(sessions)
+    state.unacked.extend(sessions)
+
+
+def push_weights(cfg: TrainerConfig, policy: Policy, sync: WeightSync, version: int) -> None:
+    path = save_weights(policy.model, cfg.output_dir / "weights", version, cfg.model_dir, keep=cfg.keep_weights)
+    sync.push(path, version)
+
+
+def checkpoint(cfg: TrainerConfig, policy: Policy, state: TrainerState, pool: Pool, journal: ClaimJournal) -> None:
+    """Model and `consumed` land on disk together; only then does the pool hear that the groups are consumed."""
+    save_checkpoint(cfg.output_dir / "checkpoints", state, policy.model, policy.optimizer, policy.scheduler,
+                    policy.value_head)
+    if state.unacked:
+        pool.mark_consumed(state.unacked, cfg.consumer)
+        state.unacked = []
+    journal.reset()
+

@@ -1,0 +1,269 @@
+"""One policy update on a batch: advantages, then epochs of minibatch steps with gradient accumulation.
+
+    metrics = update(policy, batch, objective, version)
+
+`Objective` holds plain values (the loop builds it from the config once). Per minibatch the gradient is
+accumulated over micro-batches (one tree forward each) with every aggregation divided by the
+minibatch's unit count, so 8 micro-batches give the same step as 2 × 4 or 1 × 8. Sessions are never
+split across micro-batches. Before the epochs, one no-grad pass reads what the loss compares against:
+the trainer's own logprobs (decoupled objective), the frozen reference's (KL) and the critic's values.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainer.algorithms import (
+    ADVANTAGES,
+    RATIOS,
+    aggregate,
+    clipped_surrogate,
+    clipped_value_loss,
+    count_units,
+    decoupled_weights,
+    fresh_mask,
+    kl_penalty,
+    value_targets,
+)
+from trainer.batch import Batch, TokenView, token_view
+from trainer.tree_forward import forest_forward
+
+__all__ = ["Objective", "Policy", "update"]
+
+
+@dataclass
+class Policy:
+    """What an update changes or reads: the model, its optional value head and frozen reference."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # torch LR scheduler
+    value_head: nn.Module | None = None
+    reference: nn.Module | None = None
+
+    def parameters(self) -> list[nn.Parameter]:
+        heads = list(self.value_head.parameters()) if self.value_head is not None else []
+        return [p for p in self.model.parameters() if p.requires_grad] + heads
+
+
+@dataclass(frozen=True)
+class Objective:
+    mode: Literal["rl", "sft"] = "rl"
+    advantage: str = "grpo"
+    advantage_args: dict[str, Any] = field(default_factory=dict)
+    ratio: str = "step"
+    aggregation: str = "episode-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = None
+    old_logprobs: Literal["engine", "recompute"] = "engine"
+    tis_cap: float = 2.0
+    tis_level: Literal["token", "step"] = "step"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    value_coef: float = 0.5
+    value_clip: float | None = 0.2
+    critic_only: bool = False  # critic warm-up: the policy loss is left out
+    epochs: int = 1
+    minibatches: int = 1
+    micro_batch_episodes: int = 8
+    max_grad_norm: float = 1.0
+    max_staleness: int | None = 4  # None: offline replay, no staleness mask
+
+
+@dataclass
+class _Aux:
+    """No-grad reads for one micro-batch, before any step of this update."""
+
+    prox: torch.Tensor | None = None  # [A] the trainer's logprobs at update start
+    ref: torch.Tensor | None = None  # [A] the frozen reference's logprobs
+    values: torch.Tensor | None = None  # [A] critic values at each token's source
+
+
+def update(policy: Policy, batch: Batch, obj: Objective, version: int) -> dict[str, float]:
+    start = time.perf_counter()
+    plan = [[token_view(batch, micro) for micro in minibatch] for minibatch in _plan(batch, obj)]
+    aux = [[_precompute(policy, view, obj) for view in minibatch] for minibatch in plan]
+    advantages, returns, old_values = _advantages(batch, plan, aux, obj)
+    stats: dict[str, list[float]] = defaultdict(list)
+    for _ in range(obj.epochs):
+        for views, auxes in zip(plan, aux):
+            _minibatch_step(policy, views, auxes, advantages, returns, old_values, obj, version, stats)
+    elapsed = time.perf_counter() - start
+    return _summary(batch, plan, advantages, stats, obj, version, elapsed)
+
+
+def _plan(batch: Batch, obj: Objective) -> list[list[list[int]]]:
+    """Episodes -> minibatches (whole groups each) -> micro-batches of at most micro_batch_episodes."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for e, g in enumerate(batch.episode_group.tolist()):
+        groups[g].append(e)
+    parts = [p for p in np.array_split(np.arange(len(groups)), min(obj.minibatches, len(groups))) if len(p)]
+    keys = list(groups)
+    plan = []
+    for part in parts:
+        episodes = [e for i in part for e in groups[keys[i]]]
+        plan.append([episodes[i : i + obj.micro_batch_episodes]
+                     for i in range(0, len(episodes), obj.micro_batch_episodes)])
+    return plan
+
+
+@torch.no_grad()
+def _precompute(policy: Policy, view: TokenView, obj: Objective) -> _Aux:
+    aux = _Aux()
+    if obj.mode == "sft":
+        return aux
+    if obj.old_logprobs == "recompute" or policy.value_head is not None:
+        out = forest_forward(policy.model, view.forest, policy.value_head, with_entropy=False)
+        aux.prox = out.logprobs if obj.old_logprobs == "recompute" else None
+        aux.values = out.values
+    if obj.kl_coef > 0 and policy.reference is not None:
+        aux.ref = forest_forward(policy.reference, view.forest, with_entropy=False).logprobs
+    return aux
+
+
+def _first_tokens(step_ids: torch.Tensor) -> torch.Tensor:
+    """Index of the first token of each step present (its state boundary: the value is read there)."""
+    _, first = np.unique(step_ids.cpu().numpy(), return_index=True)
+    return torch.as_tensor(np.sort(first), device=step_ids.device)
+
+
+def _advantages(batch: Batch, plan, aux, obj: Objective):
+    """Per-step advantages [S]; for the critic also returns [S] and the values before the update [S]."""
+    if obj.mode == "sft":
+        return None, None, None
+    values = None
+    if any(a.values is not None for mb in aux for a in mb):
+        owned = torch.zeros(batch.num_steps)
+        for views, auxes in zip(plan, aux):
+            for view, a in zip(views, auxes):
+                first = _first_tokens(view.step_ids)
+                owned[view.step_ids[first]] = a.values[first.to(a.values.device)].float().cpu()
+        values = owned[batch.owner_rows()]
+    inputs = batch.advantage_inputs(values)
+    advantages = ADVANTAGES[obj.advantage](inputs, **obj.advantage_args)
+    if values is None:
+        return advantages, None, None
+    gae = {k: v for k, v in obj.advantage_args.items() if k in ("gamma", "lam")}
+    return advantages, value_targets(inputs, **gae), values
+
+
+def _token_mask(view: TokenView, obj: Objective, version: int) -> torch.Tensor:
+    if obj.mode == "sft" or obj.max_staleness is None:
+        return torch.ones(len(view.step_ids), dtype=torch.bool)
+    return fresh_mask(view.forest.weight_version, version, obj.max_staleness)
+
+
+def _minibatch_step(policy: Policy, views: list[TokenView], auxes: list[_Aux], advantages, returns, old_values,
+                    obj: Objective, version: int, stats: dict[str, list[float]]) -> None:
+    masks = [_token_mask(v, obj, version) for v in views]
+    ids = {k: torch.cat([getattr(v, k) for v in views]) for k in ("step_ids", "traj_ids", "episode_ids")}
+    units = count_units(torch.cat(masks), obj.aggregation, **ids)
+    value_units = sum(len(_first_tokens(v.step_ids)) for v in views)
+    policy.optimizer.zero_grad(set_to_none=True)
+    for view, aux, mask in zip(views, auxes, masks):
+        loss = _micro_loss(policy, view, aux, mask, advantages, returns, old_values, obj, units, value_units, stats)
+        if loss.requires_grad:
+            loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), obj.max_grad_norm)
+    policy.optimizer.step()
+    policy.scheduler.step()
+    stats["grad_norm"].append(float(grad_norm))
+    stats["lr"].append(policy.optimizer.param_groups[0]["lr"])
+
+
+def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, advantages, returns, old_values,
+                obj: Objective, units: int, value_units: int, stats: dict[str, list[float]]) -> torch.Tensor:
+    out = forest_forward(policy.model, view.forest, policy.value_head, with_entropy=True)
+    dev = out.logprobs.device
+    mask = mask.to(dev)
+    step_ids, traj_ids, episode_ids = view.step_ids.to(dev), view.traj_ids.to(dev), view.episode_ids.to(dev)
+    behaviour = view.forest.behaviour_logprobs.to(dev)
+    logp = out.logprobs
+    if obj.mode == "sft":
+        per_token = -logp
+    else:
+        old = aux.prox if aux.prox is not None else behaviour
+        ratio = RATIOS[obj.ratio](logp, old, step_ids=step_ids, traj_ids=traj_ids, mask=mask)
+        surrogate = clipped_surrogate(ratio, advantages.to(dev)[step_ids], clip_low=obj.clip_low,
+                                      clip_high=obj.clip_high, dual_clip=obj.dual_clip)
+        per_token = surrogate.loss
+        if aux.prox is not None:
+            per_token = per_token * decoupled_weights(aux.prox, behaviour, cap=obj.tis_cap, mask=mask,
+                                                      segment_ids=step_ids if obj.tis_level == "step" else None)
+        if aux.ref is not None:
+            kl = kl_penalty(logp, aux.ref, obj.kl_estimator)
+            per_token = per_token + obj.kl_coef * kl
+            _record(stats, "kl_ref", kl, mask)
+        if obj.entropy_coef:
+            per_token = per_token - obj.entropy_coef * out.entropy
+        _record(stats, "ratio", ratio.detach(), mask)
+        _record(stats, "clip_frac", surrogate.clipped.float(), mask)
+        _record(stats, "dual_clip_frac", surrogate.dual_clipped.float(), mask)
+        _record(stats, "approx_kl_behaviour", (behaviour - logp).detach(), mask)
+    loss = aggregate(per_token, mask, obj.aggregation, step_ids=step_ids, traj_ids=traj_ids,
+                     episode_ids=episode_ids, num_units=units)
+    _record(stats, "entropy", out.entropy.detach(), mask)
+    _record(stats, "logprob", logp.detach(), mask)
+    stats["policy_loss"].append(float(loss.detach()))
+    if obj.critic_only:
+        loss = loss.detach() * 0
+    if out.values is not None and returns is not None:
+        first = _first_tokens(step_ids)
+        rows = step_ids[first]
+        value_loss = clipped_value_loss(out.values[first], old_values.to(dev)[rows], returns.to(dev)[rows],
+                                        clip=obj.value_clip).sum() / max(value_units, 1)
+        stats["value_loss"].append(float(value_loss.detach()))
+        loss = loss + obj.value_coef * value_loss
+    return loss
+
+
+def _record(stats: dict[str, list[float]], name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
+    sel = x[mask]
+    if sel.numel():
+        stats[name + "_sum"].append(float(sel.float().sum()))
+        stats[name + "_n"].append(float(sel.numel()))
+        stats[name + "_min"].append(float(sel.min()))
+        stats[name + "_max"].append(float(sel.max()))
+
+
+def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int, elapsed: float) -> dict[str, float]:
+    forests = [view.forest for minibatch in plan for view in minibatch]
+    trained = sum(len(f.targets) for f in forests) * obj.epochs
+    packed, naive = sum(f.num_tokens for f in forests), sum(f.naive_tokens for f in forests)
+    versions = torch.cat([f.weight_version for f in forests]) if forests else torch.zeros(0)
+    out: dict[str, float] = {
+        "episodes": len(batch.episodes), "groups": len(batch.group_ids), "steps": batch.num_steps,
+        "action_tokens": trained / obj.epochs, "tokens_per_s": trained / max(elapsed, 1e-9),
+        "forward_tokens_per_s": packed * obj.epochs / max(elapsed, 1e-9),
+        "tree_token_saving": 1 - packed / naive if naive else 0.0, "update_seconds": elapsed,
+        "reward_mean": float(batch.outcome.mean()) if len(batch.episodes) else math.nan,
+    }
+    if versions.numel():
+        out["staleness_mean"] = float(version - versions.float().mean())
+        out["staleness_max"] = float(version - versions.min())
+    for reason, n in batch.skipped.items():
+        out[f"skipped_{reason}"] = n
+    by_harness: dict[str, list[float]] = defaultdict(list)
+    for ep, r in zip(batch.episodes, batch.outcome.tolist()):
+        by_harness[ep.info.harness].append(r)
+    out.update({f"reward/{h}": float(np.mean(v)) for h, v in by_harness.items()})
+    if advantages is not None and advantages.numel():
+        out.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std(unbiased=False)),
+                   adv_min=float(advantages.min()), adv_max=float(advantages.max()))
+    for key in [k[:-4] for k in stats if k.endswith("_sum")]:
+        out[f"{key}_mean"] = sum(stats[key + "_sum"]) / max(sum(stats[key + "_n"]), 1)
+        out[f"{key}_min"], out[f"{key}_max"] = min(stats[key + "_min"]), max(stats[key + "_max"])
+    for key in ("policy_loss", "value_loss", "grad_norm", "lr"):
+        if stats.get(key):
+            out[key] = float(np.mean(stats[key]))
+    return out
