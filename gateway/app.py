@@ -1,0 +1,107 @@
+"""The gateway's aiohttp application: routes, error answers, and the lifecycle of its components.
+
+    create_app(settings, router, recorder, gate, model_dir) -> web.Application
+
+The caller owns the components' lifecycle (`gateway.cli.running_gateway` starts the router and the
+recorder before serving, and after the app stops flushes the recorder and closes them).
+
+Model APIs are served under `/v1/...` (attribution by session key or X-Session-Id) and under
+`/s/<session>/v1/...`; each answers errors in its own API's format.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import orjson
+from aiohttp import web
+
+from gateway import metrics
+from gateway.admin import admin_routes
+from gateway.config import GatewaySettings
+from gateway.engines import EngineRouter
+from gateway.frontends import chat, completions, messages, responses
+from gateway.frontends.core import Core
+from gateway.frontends.errors import ApiError, Flavour, error_response
+from gateway.frontends.session_routes import SessionRoutes
+from gateway.metrics import metrics_routes
+from gateway.recorder import Recorder
+from gateway.sessions import SessionStore
+from gateway.templating import ChatTemplate
+from gateway.weights import WeightGate
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Core, web.Request], Awaitable[web.StreamResponse]]
+
+MODEL_APIS: dict[str, tuple[str, Handler]] = {
+    "chat/completions": ("chat.completions", chat.handle),
+    "completions": ("completions", completions.handle),
+    "responses": ("responses", responses.handle),
+    "messages": ("messages", messages.handle),
+}
+
+CORE_KEY = web.AppKey("core", Core)
+
+
+def _flavour(path: str) -> Flavour:
+    return "anthropic" if path.endswith("/messages") else "openai"
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Every failure becomes an answer in the caller's API format; nothing escapes as a bare 500."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        metrics.observe_error(_flavour(request.path), err.status)
+        return error_response(_flavour(request.path), err)
+    except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
+        if exc.status < 400:
+            raise
+        metrics.observe_error(_flavour(request.path), exc.status)
+        message = "the request body is too large" if exc.status == 413 else exc.reason
+        return error_response(_flavour(request.path), ApiError(exc.status, message))
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        metrics.observe_error(_flavour(request.path), 500)
+        return error_response(_flavour(request.path), ApiError(500, "internal gateway error (logged)"))
+
+
+def _model_route(core: Core, handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def route(request: web.Request) -> web.StreamResponse:
+        return await handler(core, request)
+    return route
+
+
+def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Recorder, gate: WeightGate,
+               model_dir: Path) -> web.Application:
+    template = ChatTemplate.from_model_dir(model_dir)
+    core = Core(settings, router, recorder, gate, template, SessionStore(template, settings.strict_template))
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
+    app[CORE_KEY] = core
+    for prefix in ("/v1", "/s/{session}/v1"):
+        for path, (_, handler) in MODEL_APIS.items():
+            app.router.add_post(f"{prefix}/{path}", _model_route(core, handler))
+        app.router.add_get(f"{prefix}/models", _model_route(core, list_models))
+    app.router.add_routes(SessionRoutes(core).routes())
+    app.router.add_get("/health", _model_route(core, health))
+    app.router.add_routes(admin_routes(gate, settings.admin_token))
+    app.router.add_routes(metrics_routes(router))
+    return app
+
+
+async def list_models(core: Core, request: web.Request) -> web.Response:
+    if "session" in request.match_info:
+        core.session_for(request)  # an unknown session is a 404 here too
+    model = {"id": core.settings.model_name, "object": "model", "created": 0, "owned_by": "stepline",
+             "context_length": core.context_length}
+    return web.Response(body=orjson.dumps({"object": "list", "data": [model]}), content_type="application/json")
+
+
+async def health(core: Core, request: web.Request) -> web.Response:
+    engines = [{"url": url, "healthy": ok} for url, ok in core.router.healthy.items()]
+    body = {"status": "ok", "weight_version": core.gate.version, "engines": engines, "sessions": len(core.sessions)}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")

@@ -1,0 +1,29 @@
+"""The gateway's settings: one typed model, every field with a default and a one-line doc."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class GatewaySettings(BaseModel):
+    """What `create_app` needs besides its components (router, recorder, weight gate, model)."""
+
+    host: str = Field("127.0.0.1", description="interface to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind (0: a free port)")
+    admin_token: str | None = Field(None, description="token for /admin/* and POST /sessions; None: open")
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request body accepted (413 above)")
+    context_length: int | None = Field(
+        None, gt=0, description="prompt + output token limit; None: the model's max_position_embeddings"
+    )
+    default_max_tokens: int = Field(1024, gt=0, description="max new tokens when a request names none")
+    max_n: int = Field(16, ge=1, description="largest `n` (choices per call) accepted")
+    strict_template: bool = Field(
+        False,
+        description="render every turn with the chat template (forks where the template rewrites history) "
+        "instead of keeping the model's own earlier tokens",
+    )
+    max_wait_paused: float = Field(5.0, ge=0, description="seconds a call waits during a weight update before 503")
+    retry_after: float = Field(1.0, ge=0, description="Retry-After (s) on 503 answers of the gateway itself")
+    public_url: str | None = Field(None, description="base URL handed to harnesses; None: from the request's Host")
+    model_name: str = Field("stepline", description="the model id GET /v1/models lists and answers carry")
+    parser: str | None = Field(None, description="output parser family (qwen3, hermes, none); None: from the model")

@@ -1,0 +1,265 @@
+"""What every front end shares: attribution, body parsing, prompt limits, engine dispatch and recording.
+
+A front end turns its API's request into prompt ids (through `TokenState` for the chat-style APIs),
+asks `Core.generate` or `Core.open_stream` for the engine's output, parses it, answers in its own
+format, and hands one `CallRecord` per choice to `Core.record` (which never waits on the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import numpy as np
+import orjson
+import zstandard
+from aiohttp import web
+
+from datapool.records import CallRecord
+from gateway import metrics
+from gateway.config import GatewaySettings
+from gateway.engines import EngineError, EngineRouter, EngineUnavailable, Generation, SamplingParams, StreamDelta
+from gateway.frontends.errors import ApiError, invalid
+from gateway.parsers import make_parser, parser_family
+from gateway.parsers.base import StreamParser
+from gateway.recorder import Recorder
+from gateway.sessions import Session, SessionStore
+from gateway.templating import ChatTemplate
+from gateway.weights import Paused, WeightGate
+
+
+def bearer_key(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization")
+    if auth and auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return request.headers.get("x-api-key") or None
+
+
+class Core:
+    def __init__(self, settings: GatewaySettings, router: EngineRouter, recorder: Recorder, gate: WeightGate,
+                 template: ChatTemplate, sessions: SessionStore) -> None:
+        self.settings = settings
+        self.router = router
+        self.recorder = recorder
+        self.gate = gate
+        self.template = template
+        self.sessions = sessions
+        self.parser_family = settings.parser or parser_family(template.model_type)
+        self.context_length = settings.context_length or template.context_length
+        self._zstd = zstandard.ZstdCompressor(level=3)
+        self._overloaded = ApiError(503, "the gateway's record queue is full; retry shortly",
+                                    retry_after=settings.retry_after)
+
+    # --- the edge: who is calling, with what ---
+    def session_for(self, request: web.Request) -> Session:
+        """The calling session: by URL, by session key, or by X-Session-Id (a key for another → 403)."""
+        session_id = request.match_info.get("session") or request.headers.get("X-Session-Id")
+        key = bearer_key(request)
+        keyed = self.sessions.by_key(key) if key else None
+        if session_id is None:
+            if keyed is None:
+                raise ApiError(401, "no session: call /s/<session>/v1/..., send the session's API key, "
+                               "or set X-Session-Id", code="invalid_api_key")
+            session = keyed
+        else:
+            found = self.sessions.get(session_id)
+            if found is None:
+                raise ApiError(404, f"unknown session {session_id!r}", code="unknown_session")
+            if keyed is not None and keyed is not found:
+                raise ApiError(403, "this API key belongs to another session", code="foreign_session")
+            session = found
+        if session.ended:
+            raise ApiError(409, f"session {session.info.session_id} has ended", code="session_ended")
+        return session
+
+    @staticmethod
+    async def read_json(request: web.Request, empty_ok: bool = False) -> tuple[bytes, Any]:
+        """The raw body (too large → 413 from aiohttp) and its JSON object (malformed → 400)."""
+        raw = await request.read()
+        if empty_ok and not raw.strip():
+            return raw, {}
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise invalid(f"the body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise invalid("the body must be a JSON object")
+        return raw, data
+
+    def max_new_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """New-token budget: the request's (or the default), cut to what the context has room for."""
+        room = self.context_length - prompt_len
+        if room <= 0:
+            raise invalid(f"the prompt has {prompt_len} tokens; this model's context length is "
+                          f"{self.context_length}", param="messages", code="context_length_exceeded")
+        return min(requested or self.settings.default_max_tokens, room)
+
+    def parser(self, tools_enabled: bool, tool_names: list[str] | None) -> StreamParser:
+        return make_parser(self.parser_family, tools_enabled, tool_names)
+
+    # --- dispatch ---
+    async def generate(self, session: Session, prompt_ids: np.ndarray,
+                       samplings: list[SamplingParams]) -> tuple[list[Generation], int]:
+        """One engine request per choice, concurrently; returns the generations and the weight version."""
+        if not self.recorder.has_capacity():
+            raise self._overloaded
+        ids = prompt_ids.tolist()
+        engine = None
+        try:
+            async with self.gate.admit() as version:
+                engine = self.router.for_session(session.info.session_id)
+                if len(samplings) == 1:
+                    return [await engine.generate(ids, samplings[0])], version
+                gens = await asyncio.gather(*(engine.generate(ids, s) for s in samplings))
+                return list(gens), version
+        except (EngineError, Paused) as exc:
+            raise self._engine_error(exc, engine) from None
+
+    async def open_stream(self, session: Session, prompt_ids: np.ndarray,
+                          samplings: list[SamplingParams]) -> EngineStream:
+        """Start the engine streams and wait for the first chunk, so that failures before any token
+        still get a proper error status (the SSE headers are not sent yet)."""
+        if not self.recorder.has_capacity():
+            raise self._overloaded
+        ids = prompt_ids.tolist()
+        admit = self.gate.admit()
+        engine = None
+        try:
+            version = await admit.__aenter__()
+        except Paused as exc:
+            raise self._engine_error(exc, None) from None
+        try:
+            engine = self.router.for_session(session.info.session_id)
+            streams = [engine.stream(ids, s) for s in samplings]
+            merged = _indexed(streams[0]) if len(streams) == 1 else _merge(streams)
+            first = await anext(merged)
+        except BaseException as exc:
+            await admit.__aexit__(type(exc), exc, exc.__traceback__)
+            if isinstance(exc, EngineError):
+                raise self._engine_error(exc, engine) from None
+            raise
+        return EngineStream(version, first, merged, admit, self, engine)
+
+    def _engine_error(self, exc: Exception, engine: Any) -> ApiError:
+        if isinstance(exc, Paused):
+            return ApiError(503, "weights are being updated; retry shortly", retry_after=exc.retry_after)
+        if isinstance(exc, EngineUnavailable) and engine is not None:
+            self.router.mark_unhealthy(engine)
+        status = getattr(exc, "status", 502)
+        retry = getattr(exc, "retry_after", None)
+        if retry is None and status in (502, 503, 504):
+            retry = self.settings.retry_after
+        return ApiError(status, f"engine: {getattr(exc, 'message', None) or exc}", code="engine_error",
+                        retry_after=retry)
+
+    # --- recording ---
+    def record(self, session: Session, api: str, prompt_ids: np.ndarray, gen: Generation,
+               sampling: SamplingParams, version: int, timings: dict[str, float], request_body: bytes,
+               answer: dict) -> int:
+        """Queue the call's record (compressed request and answer); returns its call index."""
+        index = session.take_call_index()
+        record = CallRecord(
+            session_id=session.info.session_id,
+            call_index=index,
+            prompt_ids=prompt_ids,
+            output_ids=np.asarray(gen.output_ids, dtype=np.int32),
+            output_logprobs=np.asarray(gen.logprobs, dtype=np.float32),
+            weight_version=version,
+            finish_reason=gen.finish_reason,
+            api=api,
+            sampling=dataclasses.asdict(sampling),
+            timings=timings,
+            request=self._zstd.compress(request_body),
+            response=self._zstd.compress(orjson.dumps(answer)),
+        )
+        self.recorder.record_call(record)
+        return index
+
+    def observe(self, api: str, stream: bool, timings: dict[str, float], prompt_len: int, gens: list[Generation]) -> None:
+        first = timings["first_token"] - timings["received"] if "first_token" in timings else None
+        for gen in gens:
+            metrics.observe_call(api, stream, gen.finish_reason, timings["done"] - timings["received"],
+                                 prompt_len, len(gen.output_ids), first)
+
+
+class EngineStream:
+    """An open engine stream (or n merged): iterate for (choice index, delta); `aclose` always."""
+
+    def __init__(self, version: int, first: tuple[int, StreamDelta], rest: AsyncIterator[tuple[int, StreamDelta]],
+                 admit: AbstractAsyncContextManager, core: Core, engine: Any) -> None:
+        self.version = version
+        self._first: tuple[int, StreamDelta] | None = first
+        self._rest = rest
+        self._admit = admit
+        self._core = core
+        self._engine = engine
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        try:
+            async for item in self._rest:
+                yield item
+        except (EngineError, Paused) as exc:
+            raise self._core._engine_error(exc, self._engine) from None
+
+    async def aclose(self) -> None:
+        try:
+            await self._rest.aclose()  # type: ignore[attr-defined]
+        finally:
+            await self._admit.__aexit__(None, None, None)
+
+
+async def _indexed(stream: AsyncIterator[StreamDelta]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    try:
+        async for delta in stream:
+            yield 0, delta
+    finally:
+        await _aclose(stream)
+
+
+async def _merge(streams: list[AsyncIterator[StreamDelta]]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """Interleave n streams as their chunks arrive; the first failure ends them all."""
+    queue: asyncio.Queue[tuple[int, StreamDelta | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[StreamDelta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta, None))
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            await queue.put((index, None, exc))
+            return
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                running -= 1
+                continue
+            yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await _aclose(stream)
+
+
+async def _aclose(stream: Any) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
+
+
+def now() -> float:
+    return time.time()

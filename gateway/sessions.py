@@ -1,0 +1,70 @@
+"""Sessions the gateway serves: ids, per-session API keys, call counters and token memory.
+
+A call is attributed to a session by its URL (`/s/<id>/v1/...`), by its session key (Bearer or
+x-api-key) on `/v1/...`, or by an `X-Session-Id` header. A session key acts on its own session only.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from datapool.records import SessionInfo
+from gateway.templating import ChatTemplate
+from gateway.tito import TextMemory, TokenState
+
+
+@dataclass
+class Session:
+    info: SessionInfo
+    api_key: str
+    tokens: TokenState
+    texts: TextMemory  # the Completions API's raw-text prompts
+    next_call: int = 0  # call indices are taken when a call's record is made: no gaps for failed calls
+    ended: bool = False
+    responses: dict[str, list] = field(default_factory=dict)  # Responses API: response id -> its conversation
+
+    def take_call_index(self) -> int:
+        index = self.next_call
+        self.next_call += 1
+        return index
+
+
+class SessionStore:
+    """In-memory index of the sessions this gateway created (the pool keeps the durable copy)."""
+
+    def __init__(self, template: ChatTemplate, strict_template: bool = False) -> None:
+        self.template = template
+        self.strict_template = strict_template
+        self._by_id: dict[str, Session] = {}
+        self._by_key: dict[str, Session] = {}
+
+    def new(self, task_id: str, harness: str, group_id: str | None, metadata: dict) -> Session:
+        info = SessionInfo(session_id="s-" + uuid.uuid4().hex, task_id=task_id, harness=harness,
+                           group_id=group_id, metadata=metadata, created_at=time.time())
+        key = "sk-stepline-" + secrets.token_urlsafe(24)
+        return Session(info=info, api_key=key, tokens=TokenState(self.template, self.strict_template),
+                       texts=TextMemory(self.template))
+
+    def add(self, session: Session) -> None:
+        """Make a session visible (after the pool has committed it)."""
+        self._by_id[session.info.session_id] = session
+        self._by_key[session.api_key] = session
+
+    def get(self, session_id: str) -> Session | None:
+        return self._by_id.get(session_id)
+
+    def by_key(self, key: str) -> Session | None:
+        return self._by_key.get(key)
+
+    def end(self, session: Session) -> None:
+        """Mark ended and free its token memory; the id stays known so later calls get a clear error."""
+        session.ended = True
+        session.tokens = TokenState(self.template, self.strict_template)
+        session.texts = TextMemory(self.template)
+        session.responses.clear()
+
+    def __len__(self) -> int:
+        return len(self._by_id)

@@ -1,0 +1,170 @@
+"""Token in, token out: the prompt ids of each call, reusing the exact ids of the session's earlier calls.
+
+A harness resends its whole history on every call. Rebuilding that history from text would change the
+tokens the model actually produced (retokenization drift, templates that drop earlier reasoning), so
+the trainer would train on tokens the policy never sampled. Instead, for each call:
+
+1. Its messages are hashed as a chain: h_0 from the tools, h_i = hash(h_{i-1}, fingerprint(message_i)).
+2. An exact retry (h_n seen as an earlier call's messages) reuses that call's prompt ids.
+3. Otherwise the longest prefix m_1..m_k whose hash is an earlier call's messages + its answer reuses
+   that call's prompt ids + output ids (ending with the end-of-turn token), and only m_{k+1}..m_n are
+   rendered (`ChatTemplate.continuation`) and tokenized. The cost follows the new messages.
+4. With no reusable prefix the whole conversation is rendered and tokenized.
+
+An assistant message's fingerprint keeps what the harness is expected to echo (text and tool calls,
+arguments compared as JSON) and ignores reasoning and ids, so the model's own earlier tokens — its
+reasoning included — stay the context even when the harness drops them (the default).
+
+`strict=True` follows the template instead: every call renders the whole conversation, and reuses an
+earlier call's ids only where the rendered text begins with that call's prompt and output text. Where
+the template rewrites history (Qwen3 drops reasoning of earlier turns), the tokens differ from the
+model's own and the session's tree forks there. Its cost follows the context length.
+
+When a call is not append-only (compaction, an edited message, a retry) the ids it shares with an
+earlier call are exactly the reused ones plus whatever the template renders identically, so recorded
+calls diverge at the first differing token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from gateway.templating import ChatTemplate, Message
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: np.ndarray  # int32 [P]: the prompt the engine receives
+    reused: int  # leading ids taken from an earlier call of the session (0: rendered from scratch)
+    key: int  # hash of the tools + messages: with the answer's fingerprint, the key of the next turn
+    text: str = ""  # the rendered prompt (strict mode only)
+
+
+def _arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def fingerprint(message: Message) -> bytes:
+    """What of a message decides its tokens, as bytes; assistant reasoning and tool-call ids excluded."""
+    role = message.get("role")
+    content = message.get("content") or ""
+    if role == "assistant":
+        text = content.split("</think>")[-1].strip() if isinstance(content, str) else content
+        calls = [(c["function"]["name"], _arguments(c["function"].get("arguments")))
+                 for c in message.get("tool_calls") or []]
+        key: Any = ("assistant", text, calls)
+    else:
+        key = (role, content, message.get("name"), message.get("tool_call_id"))
+    return orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
+
+
+def chain(tools: list[dict] | None, messages: list[Message]) -> list[int]:
+    """h_0..h_n: hashes of the tools and each prefix of the messages."""
+    hashes = [hash(orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS))]
+    for message in messages:
+        hashes.append(hash((hashes[-1], fingerprint(message))))
+    return hashes
+
+
+class TokenState:
+    """One session's token memory: which ids each earlier call's messages (and answers) became."""
+
+    def __init__(self, template: ChatTemplate, strict: bool = False, max_entries: int = 256) -> None:
+        self.template = template
+        self.strict = strict
+        self.max_entries = max_entries
+        self._prompts: OrderedDict[int, np.ndarray] = OrderedDict()  # h(messages) -> prompt ids
+        self._turns: OrderedDict[int, np.ndarray] = OrderedDict()  # h(messages + answer) -> ids through the answer
+        self._texts: OrderedDict[str, np.ndarray] = OrderedDict()  # strict: rendered text -> its ids
+
+    def prompt_for(self, messages: list[Message], tools: list[dict] | None) -> Prompt:
+        if self.strict:
+            return self._strict_prompt(messages, tools)
+        hashes = chain(tools, messages)
+        if (ids := self._prompts.get(hashes[-1])) is not None:
+            return Prompt(ids, len(ids), hashes[-1])
+        for k in range(len(messages), 0, -1):
+            if messages[k - 1].get("role") == "assistant" and (base := self._turns.get(hashes[k])) is not None:
+                new = self.template.encode(self.template.continuation(messages[k:], tools))
+                return Prompt(np.concatenate([base, np.asarray(new, dtype=np.int32)]), len(base), hashes[-1])
+        text = self.template.render(messages, tools, add_generation_prompt=True)
+        return Prompt(np.asarray(self.template.encode(text), dtype=np.int32), 0, hashes[-1])
+
+    def remember(self, prompt: Prompt, answer: Message, output_ids: np.ndarray) -> None:
+        """Store a finished call. A turn the model did not close (length, stop string) gets the
+        end-of-turn token appended, as the template would write it (an observation token)."""
+        ids = np.concatenate([prompt.ids, output_ids])
+        if len(output_ids) == 0 or int(output_ids[-1]) not in self.template.stop_token_ids:
+            ids = np.concatenate([ids, np.asarray([self.template.eos_id], dtype=np.int32)])
+        elif int(output_ids[-1]) != self.template.eos_id:  # ended on another stop id (e.g. <|endoftext|>)
+            ids[-1] = self.template.eos_id
+        if self.strict:
+            _put(self._texts, prompt.text + self.template.decode(ids[len(prompt.ids):].tolist()), ids, self.max_entries)
+            return
+        _put(self._prompts, prompt.key, prompt.ids, self.max_entries)
+        _put(self._turns, hash((prompt.key, fingerprint(answer))), ids, self.max_entries)
+
+    def _strict_prompt(self, messages: list[Message], tools: list[dict] | None) -> Prompt:
+        text = self.template.render(messages, tools, add_generation_prompt=True)
+        if (ids := self._texts.get(text)) is not None:
+            return Prompt(ids, len(ids), 0, text)
+        best, base = "", _EMPTY
+        for earlier, earlier_ids in reversed(self._texts.items()):
+            if len(earlier) > len(best) and text.startswith(earlier) and earlier.endswith(self.template.eos_token):
+                best, base = earlier, earlier_ids
+        new = np.asarray(self.template.encode(text[len(best):]), dtype=np.int32)
+        prompt = Prompt(np.concatenate([base, new]), len(base), 0, text)
+        _put(self._texts, text, prompt.ids, self.max_entries)  # an exact retry reuses these ids
+        return prompt
+
+
+
+class TextMemory:
+    """Token memory for raw-text prompts (the Completions API): a prompt that begins with an earlier
+    call's prompt text + answer text reuses that call's ids and tokenizes only the rest."""
+
+    def __init__(self, template: ChatTemplate, max_entries: int = 64) -> None:
+        self.template = template
+        self.max_entries = max_entries
+        self._paths: OrderedDict[str, np.ndarray] = OrderedDict()  # prompt + answer text -> ids
+        self._exact: OrderedDict[str, np.ndarray] = OrderedDict()  # prompt text -> ids (exact retries only)
+
+    def prompt_for(self, text: str) -> Prompt:
+        if (ids := self._exact.get(text)) is not None:
+            return Prompt(ids, len(ids), 0, text)
+        best, base = "", _EMPTY
+        for earlier, ids in reversed(self._paths.items()):
+            if len(earlier) > len(best) and text.startswith(earlier):
+                best, base = earlier, ids
+        new = np.asarray(self.template.encode(text[len(best):]), dtype=np.int32) if text != best else _EMPTY
+        return Prompt(np.concatenate([base, new]), len(base), 0, text)
+
+    def remember(self, prompt: Prompt, output_ids: np.ndarray, output_text: str) -> None:
+        """Keep prompt + output when the output's ids decode to exactly its text (a stop token the
+        text leaves out is dropped first); otherwise keep the prompt alone."""
+        ids = output_ids
+        if len(ids) and int(ids[-1]) in self.template.stop_token_ids:
+            ids = ids[:-1]
+        if self.template.decode(ids.tolist()) == output_text:
+            _put(self._paths, prompt.text + output_text, np.concatenate([prompt.ids, ids]), self.max_entries)
+        _put(self._exact, prompt.text, prompt.ids, self.max_entries)
+
+
+def _put(table: OrderedDict, key: Any, ids: np.ndarray, limit: int) -> None:
+    table[key] = ids
+    table.move_to_end(key)
+    while len(table) > limit:
+        table.popitem(last=False)
