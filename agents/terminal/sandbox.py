@@ -16,10 +16,13 @@ Enforcement, strongest available mode first (`detect_mode()` probes once per pro
 
 Limits in both modes: wall time per command (the group is SIGKILLed), CPU seconds, address space,
 file size, process count, and output bytes (the reader stops and kills the command past the cap).
+A command also dies with the harness process (parent-death signal), so killing a harness at its
+episode timeout leaves nothing behind in namespace mode.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import resource
@@ -50,13 +53,18 @@ mount -t tmpfs -o size=16m,mode=1777 sandbox-tmp "$R/tmp"
 mount -t proc proc "$R/proc"
 for n in null zero random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
 mount -o remount,ro,bind "$R"
+# No exec: this shell stays PID 1 of the namespace. It keeps unshare's parent-death signal (a uid
+# change would clear it), so killing the harness kills it, and its exit kills the whole namespace.
 if [ -n "$SANDBOX_UID" ]; then
-  exec chroot --userspec="$SANDBOX_UID:$SANDBOX_UID" "$R" /bin/bash -c 'cd /work && eval "$SANDBOX_CMD"'
+  chroot --userspec="$SANDBOX_UID:$SANDBOX_UID" "$R" /bin/bash -c 'cd /work && eval "$SANDBOX_CMD"'
+else
+  chroot "$R" setpriv --bounding-set=-all --inh-caps=-all --no-new-privs \
+    /bin/bash -c 'cd /work && eval "$SANDBOX_CMD"'
 fi
-exec chroot "$R" setpriv --bounding-set=-all --inh-caps=-all --no-new-privs \
-  /bin/bash -c 'cd /work && eval "$SANDBOX_CMD"'
 """
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
 _PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 
 
@@ -160,6 +168,10 @@ class Sandbox:
             os.setgroups([])
             os.setgid(self.uid)
             os.setuid(self.uid)
+        # If the harness itself is killed (the driver's episode timeout), the command dies with it
+        # (namespace mode: unshare's death takes the whole PID namespace along). Set after setuid,
+        # which clears it.
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
     def _collect(self, proc: subprocess.Popen[bytes]) -> CommandResult:
         """Read output until exit, the wall limit, or the output cap (then the command is killed)."""

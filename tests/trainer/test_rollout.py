@@ -1,0 +1,189 @@
+"""The rollout driver against a stand-in of the gateway's session endpoints: external-command
+harnesses, faults (crash, hang, garbage, throwing verifier), retries, the harness mix, and the
+terminal harness end to end with a scripted model."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from session_standin import session_standin
+
+from trainer.rollout import RolloutDriver, format_stats, parse_verdict, run_rollouts
+from trainer.rollout_config import HarnessSpec, RolloutConfig, load_rollout_config
+from trainer.rollout_gateway import GatewayClient
+
+PY = sys.executable
+
+
+def _config(*harnesses: HarnessSpec, **kw: object) -> RolloutConfig:
+    return RolloutConfig(harnesses=list(harnesses), **{"group_size": 2, "max_concurrency": 4, **kw})  # type: ignore[arg-type]
+
+
+async def test_external_command_harness_gets_its_session_and_is_scored(tmp_path: Path) -> None:
+    # The harness records its environment; the verifier rewards 1 when the task id reached it.
+    harness = HarnessSpec(
+        name="ext", tasks=["t1", "t2"],
+        command='env | grep -E "^(OPENAI|ANTHROPIC|STEPLINE)_" > "$STEPLINE_OUT_DIR/env.txt"',
+        verify_command='grep -q "^STEPLINE_TASK_ID=t1$" "$STEPLINE_OUT_DIR/env.txt" && echo \'{"reward": 1}\' '
+                       '|| echo \'{"reward": 0.25, "success": false, "reason": "other task"}\'',
+    )
+    config = _config(harness, keep_episodes=True)
+    async with session_standin("http://model") as gw, GatewayClient(gw.url, "admin") as client:
+        driver = RolloutDriver(config, client, tmp_path)
+        stats = await driver.run(num_groups=4)
+    assert len(gw.sessions) == 8 and set(gw.ends.values()) == {"completed"}
+    for sid, body in gw.sessions.items():
+        env = dict(line.split("=", 1) for line in (tmp_path / sid / "env.txt").read_text().splitlines())
+        assert env["OPENAI_BASE_URL"] == "http://model/v1" and env["ANTHROPIC_BASE_URL"] == "http://model"
+        assert env["OPENAI_API_KEY"] == env["ANTHROPIC_API_KEY"] == body["api_key"]
+        assert env["STEPLINE_TASK_ID"] == body["task_id"] and env["STEPLINE_SESSION_ID"] == sid
+        assert gw.rewards[sid] == [1.0 if body["task_id"] == "t1" else 0.25]
+    # Groups: G=2 sessions of one task share an explicit group id, and groups differ.
+    groups: dict[str, set[str]] = {}
+    for body in gw.sessions.values():
+        groups.setdefault(body["group_id"], set()).add(body["task_id"])
+    assert len(groups) == 4 and all(len(tasks) == 1 for tasks in groups.values())
+    # 4 groups drawn from a shuffled cycle of 2 tasks: each task twice -> 4 of 8 episodes succeed.
+    assert stats["ext"]["episodes"] == 8 and stats["ext"]["success_rate"] == 0.5
+    assert stats["ext"]["mean_reward"] == pytest.approx((4 * 1.0 + 4 * 0.25) / 8)
+
+
+async def test_crash_hang_and_garbage_end_as_failed_and_the_job_goes_on(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    good = HarnessSpec(name="good", tasks=["a"], command="true", verify_command="echo '{\"reward\": 1.0}'")
+    crash = HarnessSpec(name="crash", tasks=["a"], command="echo boom >&2; exit 3", verify_command="echo never")
+    hang = HarnessSpec(name="hang", tasks=["a"], command=f"sleep 1000 & echo $! > {pidfile}; sleep 1000",
+                       verify_command="echo never")
+    garbage = HarnessSpec(name="garbage", tasks=["a"], command="head -c 300 /dev/urandom",
+                          verify_command="head -c 300 /dev/urandom")
+    throws = HarnessSpec(name="throws", tasks=["a"], command="true",
+                         verify_command=f"{PY} -c 'raise SystemExit(\"verifier bug\")'")
+    config = _config(good, crash, hang, garbage, throws, episode_timeout_s=1.0, group_size=1, max_concurrency=8)
+    async with session_standin() as gw, GatewayClient(gw.url, "admin") as client:
+        driver = RolloutDriver(config, client, tmp_path / "work")
+        for spec in config.harnesses:
+            await driver.run_group(spec, "a")
+    by = {r.harness: r for r in driver.results}
+    assert (by["good"].status, by["good"].reward, by["good"].success) == ("completed", 1.0, True)
+    assert by["crash"].status == "failed" and by["crash"].reason == "harness exited with 3: boom"
+    assert by["hang"].status == "failed" and by["hang"].reason == "harness timed out after 1s"
+    assert by["garbage"].status == "completed" and by["garbage"].reason.startswith("verifier error")
+    assert by["throws"].reward == 0.0 and by["throws"].reason.startswith("verifier error")
+    for r in driver.results:  # every session was rewarded (failed: failed_reward 0) and ended
+        assert gw.rewards[r.session_id] == [r.reward] and gw.ends[r.session_id] == r.status
+    # The hung harness's background child died with its process group.
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists()
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())  # dirs cleaned up
+    text = format_stats(driver.summary())
+    assert "crash" in text and "hang" in text
+
+
+async def test_failed_episode_is_retried_in_a_new_session_of_the_same_group(tmp_path: Path) -> None:
+    marker = tmp_path / "tried"
+    flaky = HarnessSpec(name="flaky", tasks=["a"], command=f"test -e {marker} || {{ touch {marker}; exit 1; }}",
+                        verify_command="echo '{\"reward\": 1}'")
+    config = _config(flaky, group_size=1, retries=2, failed_reward=None)
+    async with session_standin() as gw, GatewayClient(gw.url, "admin") as client:
+        driver = RolloutDriver(config, client, tmp_path / "work")
+        results = await driver.run_group(flaky, "a")
+    assert [(r.status, r.attempt) for r in driver.results] == [("failed", 0), ("completed", 1)]
+    assert results[0].success
+    first, second = driver.results
+    assert gw.ends == {first.session_id: "failed", second.session_id: "completed"}
+    assert first.session_id not in gw.rewards  # failed_reward None: no reward, the pool leaves it out
+    assert gw.sessions[first.session_id]["group_id"] == gw.sessions[second.session_id]["group_id"]
+    assert [gw.sessions[s]["metadata"]["attempt"] for s in (first.session_id, second.session_id)] == [0, 1]
+
+
+async def test_harness_without_verifier_posts_its_own_reward(tmp_path: Path) -> None:
+    post = (f"{PY} -c \"import os, urllib.request as u; u.urlopen(u.Request(os.environ['STEPLINE_REWARD_URL'], "
+            "data=b'{\\\"value\\\": 0.5}', headers={'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY'], "
+            "'Content-Type': 'application/json'}))\"")
+    config = _config(HarnessSpec(name="self", tasks=["a"], command=post), group_size=1)
+    async with session_standin() as gw, GatewayClient(gw.url, "admin") as client:
+        driver = RolloutDriver(config, client, tmp_path)
+        await driver.run(num_groups=1)
+    (sid,) = gw.sessions
+    assert gw.rewards[sid] == [0.5] and gw.ends[sid] == "completed"
+    assert driver.results[0].reward is None
+
+
+async def test_gateway_busy_answers_are_retried(tmp_path: Path) -> None:
+    spec = HarnessSpec(name="ext", tasks=["a"], command="true", verify_command="echo '{\"reward\": 1}'")
+    async with session_standin() as gw, GatewayClient(gw.url, "admin") as client:
+        original = client.post_reward
+
+        async def flaky_first(session_id: str, value: float) -> None:
+            gw.fail_reward_once.add(session_id)  # the stand-in answers 503 once, then accepts
+            await original(session_id, value)
+
+        client.post_reward = flaky_first  # type: ignore[method-assign]
+        driver = RolloutDriver(_config(spec, group_size=1), client, tmp_path)
+        await driver.run(num_groups=1)
+    assert list(gw.rewards.values()) == [[1.0]] and driver.results[0].reason == ""
+
+
+async def test_harness_mix_follows_the_weights(tmp_path: Path) -> None:
+    ok = "echo '{\"reward\": 1}'"
+    a = HarnessSpec(name="a", tasks=["x"], command="true", verify_command=ok, weight=3.0)
+    b = HarnessSpec(name="b", tasks=["y"], command="true", verify_command="echo '{\"reward\": 0}'", weight=1.0)
+    config = _config(a, b, group_size=1, max_concurrency=8)
+    async with session_standin() as gw:
+        stats, results = await run_rollouts(config, gw.url, num_groups=40, admin_token="admin")
+    assert stats["a"]["episodes"] + stats["b"]["episodes"] == 40
+    assert 22 <= stats["a"]["episodes"] <= 38  # expectation 30 (3:1), seeded draw
+    assert stats["a"]["success_rate"] == 1.0 and stats["b"]["success_rate"] == 0.0
+    assert stats["a"]["episodes_per_s"] > 0
+
+
+def test_config_validation_and_job_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="exactly one of module or command"):
+        HarnessSpec(name="x")
+    with pytest.raises(ValueError, match="needs a tasks list"):
+        HarnessSpec(name="x", command="true")
+    with pytest.raises(ValueError, match="duplicate names"):
+        RolloutConfig(harnesses=[HarnessSpec(name="t", module="m"), HarnessSpec(name="t", module="m")])
+    job = tmp_path / "job.toml"
+    job.write_text('[rollout]\ngroup_size = 3\n[[rollout.harnesses]]\nname = "terminal"\nmodule = "agents.terminal"\n')
+    config = load_rollout_config(job)
+    assert config.group_size == 3 and config.harnesses[0].module == "agents.terminal"
+
+
+def test_parse_verdict() -> None:
+    assert parse_verdict('noise\n{"reward": 1, "success": true, "reason": "ok"}\n') == (1.0, True, "ok")
+    assert parse_verdict('{"reward": 0.5}') == (0.5, False, "")
+    for bad in ["", "not json", '{"reward": "1"}', '{"reward": NaN}', "[1]", '{"reward": true}']:
+        with pytest.raises((ValueError, KeyError)):
+            parse_verdict(bad)
+
+
+async def test_terminal_harness_through_the_driver_with_a_scripted_model(tmp_path: Path) -> None:
+    """The real terminal harness (module contract) driven by the driver; the 'model' answers each
+    task's prompt with its expert command, so every episode must score 1."""
+    from agents.common.scripted_server import Reply, ScriptedServer
+    from agents.terminal.tasks import get_task, task_ids
+
+    tasks = task_ids("test")[:4]
+    solution = {get_task(t).prompt: get_task(t).expert_command for t in tasks}
+
+    def policy(body: dict) -> Reply:
+        if len(body["messages"]) > 1:
+            return Reply("done")
+        return Reply(None, [("bash", {"command": solution[body["messages"][0]["content"]]})])
+
+    spec = HarnessSpec(name="terminal", module="agents.terminal", tasks=tasks)
+    with ScriptedServer(policy) as model:
+        async with session_standin(model.url) as gw, GatewayClient(gw.url, "admin") as client:
+            driver = RolloutDriver(_config(spec, group_size=2, max_concurrency=4), client, tmp_path)
+            stats = await driver.run(num_groups=2)
+    assert stats["terminal"]["episodes"] == 4 and stats["terminal"]["success_rate"] == 1.0, driver.results
+    assert all(r == [1.0] for r in gw.rewards.values())

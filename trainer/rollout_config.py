@@ -1,0 +1,96 @@
+"""The [rollout] table of a job file: which harnesses run, how often, and under which limits.
+
+    [rollout]
+    group_size = 4
+    max_concurrency = 8
+    [[rollout.harnesses]]
+    name = "terminal"
+    module = "agents.terminal"          # python -m agents.terminal.{tasks,run,verify} (the harness contract)
+    weight = 2.0
+    [[rollout.harnesses]]
+    name = "mine"
+    command = "python my_agent.py"      # any program: endpoint in OPENAI_*/ANTHROPIC_*, task in STEPLINE_TASK_ID
+    verify_command = "python my_check.py"   # optional; else the program posts its own reward
+    tasks = ["a", "b"]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["HarnessSpec", "RolloutConfig", "load_rollout_config", "list_tasks"]
+
+
+class HarnessSpec(BaseModel):
+    """One harness of the job: a module speaking the harness contract, or any external command."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="harness name recorded on sessions (groups are task × harness)")
+    module: str | None = Field(None, description="package with tasks/run/verify modules, e.g. agents.terminal")
+    command: str | None = Field(None, description="external harness, run by /bin/sh with the endpoint in env")
+    verify_command: str | None = Field(None, description="external verifier (prints a JSON line with reward)")
+    tasks: list[str] | None = Field(None, description="task ids (default: the module's tasks command)")
+    weight: float = Field(1.0, gt=0, description="relative share of groups drawn from this harness")
+    split: Literal["train", "test"] = Field("train", description="task split used for training rollouts")
+    max_turns: int | None = Field(None, ge=1, description="--max-turns passed to a module harness")
+
+    @model_validator(mode="after")
+    def _one_program(self) -> HarnessSpec:
+        if (self.module is None) == (self.command is None):
+            raise ValueError(f"harness {self.name!r}: give exactly one of module or command")
+        if self.command is not None and not self.tasks:
+            raise ValueError(f"harness {self.name!r}: an external command needs a tasks list")
+        return self
+
+
+class RolloutConfig(BaseModel):
+    """How the rollout driver runs episodes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    harnesses: list[HarnessSpec] = Field(default_factory=list, description="the harness mix")
+    group_size: int = Field(4, ge=1, description="sessions per task (G); one group is G episodes of one task")
+    max_concurrency: int = Field(8, ge=1, description="episodes running at once")
+    episode_timeout_s: float = Field(300.0, gt=0, description="wall time of one harness process, then SIGKILL")
+    verify_timeout_s: float = Field(60.0, gt=0, description="wall time of one verifier process")
+    retries: int = Field(0, ge=0, description="re-runs of a failed episode in a new session (the failure stays recorded)")
+    failed_reward: float | None = Field(
+        0.0, description="reward posted for a failed episode; None posts none (the pool then leaves it out of groups)")
+    seed: int = Field(0, description="seed of the harness and task draw")
+    keep_episodes: bool = Field(False, description="keep each episode's directory (logs, episode.json)")
+    work_dir: Path | None = Field(None, description="where episode directories go (default: a temporary dir)")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RolloutConfig:
+        names = [h.name for h in self.harnesses]
+        if len(set(names)) != len(names):
+            raise ValueError(f"harnesses: duplicate names in {names}")
+        return self
+
+
+def load_rollout_config(job_file: Path) -> RolloutConfig:
+    """The [rollout] table of a TOML job file (an empty config if it has none)."""
+    with open(job_file, "rb") as f:
+        return RolloutConfig.model_validate(tomllib.load(f).get("rollout", {}))
+
+
+def list_tasks(spec: HarnessSpec, split: str | None = None) -> list[str]:
+    """Task ids of a harness: its explicit list, else `python -m <module>.tasks --split S`."""
+    if spec.tasks is not None:
+        return list(spec.tasks)
+    argv = [sys.executable, "-m", f"{spec.module}.tasks", "--split", split or spec.split]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"harness {spec.name!r}: {' '.join(argv)} failed: {done.stderr.strip()[-300:]}")
+    ids = json.loads(done.stdout)
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+        raise RuntimeError(f"harness {spec.name!r}: tasks command printed no list of task ids")
+    return ids
