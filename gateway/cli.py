@@ -96,19 +96,22 @@ async def running_gateway(
               help="Token for /admin/* and POST /sessions [env STEPLINE_ADMIN_TOKEN]; none: open to anyone.")
 @click.option("--public-url", default=None, help="Base URL handed to harnesses (default: from each request's Host).")
 @click.option("--model-name", default="stepline", show_default=True, help="Model id served on /v1/models.")
+@click.option("--context-length", default=None, type=click.IntRange(min=1),
+              help="Prompt + output token limit (default: the model's max_position_embeddings).")
 @click.option("--strict-template", is_flag=True, help="Render every turn with the template (fork where it rewrites history).")
 @click.option("--engine-timeout", default=600.0, show_default=True, help="Seconds an engine call may take.")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
 def gateway_command(engines: tuple[str, ...], engine_kind: str, model_dir: Path, pool_url: str, host: str, port: int,
-                    admin_token: str | None, public_url: str | None, model_name: str, strict_template: bool,
-                    engine_timeout: float, initial_version: int) -> None:
+                    admin_token: str | None, public_url: str | None, model_name: str, context_length: int | None,
+                    strict_template: bool, engine_timeout: float, initial_version: int) -> None:
     """Run the recording gateway in front of one or more engines."""
     from datapool import open_pool
     from gateway.config import GatewaySettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = GatewaySettings(host=host, port=port, admin_token=admin_token, public_url=public_url,
-                               model_name=model_name, strict_template=strict_template)
+                               model_name=model_name, strict_template=strict_template,
+                               context_length=context_length)
     if admin_token is None:
         log.warning("no --admin-token: /admin/* and POST /sessions are open to anyone who can reach port %d", port)
     pool = open_pool(pool_url)

@@ -4,7 +4,7 @@ format with outputs chosen by the test. Used by the gateway's tests and its benc
     async with FakeEngine(script=[Scripted([5, 6, 2])], eos_id=2) as url: ...
 
 Each `/generate` takes the next `Scripted` output (or, when the script is empty, `default_tokens`
-ids derived from the prompt), then applies the request's sampling parameters the way an engine does:
+ids derived from the prompt, the last one EOS when `eos_id` is set), then applies the request's sampling parameters the way an engine does:
 cut after the first stop token id / EOS (finish "stop", matched = that id, the id kept in output_ids,
 left out of the text), else cut at max_new_tokens (finish "length"). Logprobs default to
 -(k + 1) / 100 for the k-th output token, so a test can check which logprob went with which id.
@@ -109,9 +109,10 @@ class FakeEngine:
     # --- the sampling a real engine would do ---
     def _sample(self, input_ids: list[int], params: dict[str, Any]) -> _Result:
         scripted = self.queue.popleft() if self.queue else None
-        if scripted is None:
-            base = len(input_ids)
-            scripted = Scripted([10 + (base + k) % 1000 for k in range(self.default_tokens)], finish_reason="length")
+        if scripted is None:  # n ids derived from the prompt length; the last one is EOS when there is one
+            base, n = len(input_ids), self.default_tokens - (self.eos_id is not None)
+            tail = [self.eos_id] if self.eos_id is not None else []
+            scripted = Scripted([10 + (base + k) % 1000 for k in range(n)] + tail, finish_reason="length")
         ids = list(scripted.output_ids)
         lps = list(scripted.logprobs) if scripted.logprobs is not None else [-(k + 1) / 100 for k in range(len(ids))]
         stops = set(params.get("stop_token_ids") or [])
@@ -279,11 +280,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--tokens", type=int, default=8, help="output tokens per call")
+    parser.add_argument("--eos", type=int, default=None, help="EOS id ending each default output")
     parser.add_argument("--api", default="sglang", choices=["sglang", "vllm"])
     args = parser.parse_args()
 
     async def serve() -> None:
-        engine = FakeEngine(api=args.api, default_tokens=args.tokens, keep_requests=False)
+        engine = FakeEngine(api=args.api, default_tokens=args.tokens, eos_id=args.eos, keep_requests=False)
         url = await engine.start(args.host, args.port)
         print(f"fake engine on {url}", flush=True)
         await asyncio.Event().wait()

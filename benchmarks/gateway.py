@@ -1,0 +1,306 @@
+"""Gateway overhead against a fast fake engine, all in one run.
+
+    .venv/bin/python benchmarks/gateway.py [--turns 20] [--context 4000] [--sessions 64]
+
+Three processes: a FakeEngine (SGLang /generate wire format, 16 tokens per answer, the last one EOS),
+the gateway (`stepline gateway`, recording into a real SQLite pool), and this load generator.
+
+1. Added latency: conversations of `--turns` turns on a `--context`-token document (the harness
+   echoes its whole history each turn), one call at a time; each call is then replayed directly
+   against the engine with the exact prompt ids the gateway sent (read back from the pool).
+   Added = gateway − direct, paired per call.
+2. Added time to first token when streaming: the same, streamed; first content chunk vs first engine event.
+3. Throughput: `--sessions` concurrent sessions running such conversations.
+4. Gateway CPU per call (all its threads, from /proc/<pid>/task/*/schedstat) at turn 1 vs turn 40,
+   `--sessions` sessions in lockstep: cost must follow the new tokens, not the context length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import orjson
+
+ADMIN = {"Authorization": "Bearer bench"}
+OUT_TOKENS = 16
+EOS = 2  # <|im_end|> in the tiny model's vocabulary
+TARGETS = {"p50_added_ms": 2.0, "calls_per_s": 1000.0, "cpu_ratio": 2.0, "ttft_added_ms": 1.0}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of every live thread of `pid`, in ns (schedstat: ns resolution, unlike /proc/stat ticks)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+class Bench:
+    def __init__(self, http: aiohttp.ClientSession, gateway: str, engine: str, document: str) -> None:
+        self.http, self.gateway, self.engine, self.document = http, gateway, engine, document
+
+    async def new_session(self, name: str) -> dict:
+        async with self.http.post(self.gateway + "/sessions", json={"task_id": name, "harness": "bench"}, headers=ADMIN) as r:
+            assert r.status == 201, await r.text()
+            return await r.json()
+
+    async def end(self, session: dict) -> None:
+        url = f"{self.gateway}/sessions/{session['session_id']}/end"
+        async with self.http.post(url, json={"status": "completed"}, headers=ADMIN) as r:
+            assert r.status == 200, await r.text()
+
+    def first_messages(self) -> list[dict]:
+        return [{"role": "system", "content": "You are a careful assistant."},
+                {"role": "user", "content": f"Read this document.\n\n{self.document}\n\nTurn 0: summarise it."}]
+
+    async def chat(self, session: dict, messages: list[dict], stream: bool = False) -> tuple[str, float, float]:
+        """One chat call: (answer text, seconds to the first content chunk, seconds in all)."""
+        body = orjson.dumps({"model": "stepline", "messages": messages, "max_tokens": OUT_TOKENS, "stream": stream})
+        headers = {"Authorization": f"Bearer {session['api_key']}", "Content-Type": "application/json"}
+        start = time.perf_counter()
+        async with self.http.post(session["openai_base_url"] + "/chat/completions", data=body, headers=headers) as r:
+            if not stream:
+                data = orjson.loads(await r.read())
+                assert r.status == 200, data
+                done = time.perf_counter()
+                return data["choices"][0]["message"]["content"] or "", done - start, done - start
+            first, text = None, []
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                delta = orjson.loads(line[6:])["choices"]
+                piece = delta[0]["delta"].get("content") if delta else None
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+            done = time.perf_counter()
+            return "".join(text), (first or done) - start, done - start
+
+    async def direct(self, ids: list[int], stream: bool = False) -> tuple[float, float]:
+        body = orjson.dumps({"input_ids": ids, "return_logprob": True, "stream": stream,
+                             "sampling_params": {"max_new_tokens": OUT_TOKENS, "temperature": 1.0}})
+        start = time.perf_counter()
+        async with self.http.post(self.engine + "/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+            if not stream:
+                await r.read()
+                done = time.perf_counter()
+                return done - start, done - start
+            first = None
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    first = first or time.perf_counter()
+            done = time.perf_counter()
+            return first - start, done - start
+
+    async def conversation(self, session: dict, turns: int, stream: bool = False, on_turn=None) -> list[tuple[float, float]]:
+        messages, times = self.first_messages(), []
+        for turn in range(turns):
+            if on_turn is not None:
+                await on_turn(turn)
+            text, first, total = await self.chat(session, messages, stream)
+            times.append((first, total))
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": f"Turn {turn + 1}: go on with the next point, briefly."}]
+        return times
+
+
+def recorded_prompts(pool_url: str, session_id: str) -> list[list[int]]:
+    """The exact prompt ids the engine received for each call, rebuilt from the pool's tree."""
+    from datapool import open_pool
+
+    pool = open_pool(pool_url, read_only=True)
+    try:
+        tree = pool.get_tree(session_id)
+    finally:
+        pool.close()
+    nodes = {n.id: n for n in tree.nodes}
+    prompts = []
+    for index in sorted(tree.calls):
+        node, ids = nodes[tree.calls[index][0]], []
+        while True:
+            ids[:0] = node.tokens.tolist()
+            if node.parent < 0:
+                break
+            node = nodes[node.parent]
+        prompts.append(ids)
+    return prompts
+
+
+async def added_latency(bench: Bench, pool_url: str, turns: int, conversations: int, stream: bool) -> dict:
+    via, direct = [], []
+    for c in range(conversations):
+        session = await bench.new_session(f"latency-{stream}-{c}")
+        times = await bench.conversation(session, turns, stream)
+        await bench.end(session)  # acknowledged once every call is in the pool
+        for ids in recorded_prompts(pool_url, session["session_id"]):
+            direct.append(await bench.direct(ids, stream))
+        via += times
+    k = 0 if stream else 1  # first token (stream) or whole call
+    added = [(g[k] - d[k]) * 1e3 for g, d in zip(via, direct)]
+    return {"gateway_p50": pct([g[k] * 1e3 for g in via], 50), "gateway_p99": pct([g[k] * 1e3 for g in via], 99),
+            "direct_p50": pct([d[k] * 1e3 for d in direct], 50), "direct_p99": pct([d[k] * 1e3 for d in direct], 99),
+            "added_p50": pct(added, 50), "added_p99": pct(added, 99), "calls": len(added)}
+
+
+async def throughput(bench: Bench, gateway_pid: int, sessions: int, turns: int) -> dict:
+    async def one(i: int) -> int:
+        session = await bench.new_session(f"load-{i}")
+        await bench.conversation(session, turns)
+        return turns
+
+    cpu0, start = cpu_ns(gateway_pid), time.perf_counter()
+    calls = sum(await asyncio.gather(*(one(i) for i in range(sessions))))
+    elapsed, cpu = time.perf_counter() - start, (cpu_ns(gateway_pid) - cpu0) / 1e9
+    return {"calls": calls, "seconds": elapsed, "calls_per_s": calls / elapsed, "gateway_cpu_ms_per_call": cpu / calls * 1e3}
+
+
+async def cpu_by_turn(bench: Bench, gateway_pid: int, sessions: int, turns: int) -> dict[int, float]:
+    """Gateway CPU ms per call at each turn, the sessions moving in lockstep."""
+    started: dict[int, int] = {}
+    per_turn: dict[int, float] = {}
+    barrier = asyncio.Barrier(sessions)
+
+    async def on_turn(turn: int) -> None:
+        if await barrier.wait() == 0:  # one session measures between turns
+            await asyncio.sleep(0.1)  # the recorder has written the previous turn
+            if turn > 0:
+                per_turn[turn] = (cpu_ns(gateway_pid) - started[turn - 1]) / 1e6 / sessions
+            started[turn] = cpu_ns(gateway_pid)
+        await barrier.wait()
+
+    sessions_ = [await bench.new_session(f"cpu-{i}") for i in range(sessions)]
+    await asyncio.gather(*(bench.conversation(s, turns + 1, on_turn=on_turn) for s in sessions_))
+    return per_turn
+
+
+def start_services(model_dir: Path, pool_url: str) -> tuple[subprocess.Popen, subprocess.Popen, str, str]:
+    engine_port, gateway_port = free_port(), free_port()
+    engine = subprocess.Popen([sys.executable, "-m", "gateway.testing", "--port", str(engine_port),
+                               "--tokens", str(OUT_TOKENS), "--eos", str(EOS)], stdout=subprocess.DEVNULL)
+    gateway = subprocess.Popen([sys.executable, "-m", "stepline.cli", "gateway", "--engine", f"http://127.0.0.1:{engine_port}",
+                                "--engine-kind", "sglang", "--model", str(model_dir), "--pool", pool_url,
+                                "--port", str(gateway_port), "--admin-token", "bench", "--context-length", "32768"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return engine, gateway, f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
+
+
+async def wait_up(http: aiohttp.ClientSession, *urls: str) -> None:
+    for url in urls:
+        for _ in range(600):
+            try:
+                async with http.get(url + "/health") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+
+
+def document(model_dir: Path, tokens: int) -> str:
+    """About `tokens` tokens of prose (this repository's design notes, repeated as needed)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    source = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    ids: list[int] = []
+    while len(ids) < tokens:
+        ids += tok.encode(source).ids
+    return tok.decode(ids[:tokens])
+
+
+async def run(args: argparse.Namespace, model_dir: Path, pool_url: str) -> dict:
+    engine, gateway, engine_url, gateway_url = start_services(model_dir, pool_url)
+    connector = aiohttp.TCPConnector(limit=0)
+    try:
+        async with aiohttp.ClientSession(connector=connector) as http:
+            await wait_up(http, engine_url, gateway_url)
+            bench = Bench(http, gateway_url, engine_url, document(model_dir, args.context))
+            await bench.conversation(await bench.new_session("warmup"), 3)
+            results = {
+                "latency": await added_latency(bench, pool_url, args.turns, args.conversations, stream=False),
+                "ttft": await added_latency(bench, pool_url, args.turns, max(1, args.conversations // 2), stream=True),
+                "throughput": await throughput(bench, gateway.pid, args.sessions, args.turns),
+                "cpu": await cpu_by_turn(bench, gateway.pid, args.sessions, 40),
+            }
+    finally:
+        for proc in (gateway, engine):
+            proc.terminate()
+            proc.wait(60)
+    return results
+
+
+def report(r: dict, args: argparse.Namespace) -> None:
+    lat, ttft, tp, cpu = r["latency"], r["ttft"], r["throughput"], r["cpu"]
+    ratio = cpu[40] / cpu[1]
+    rows = [
+        ("latency p50 (ms)", lat["direct_p50"], lat["gateway_p50"], lat["added_p50"], TARGETS["p50_added_ms"]),
+        ("latency p99 (ms)", lat["direct_p99"], lat["gateway_p99"], lat["added_p99"], None),
+        ("TTFT p50 (ms, stream)", ttft["direct_p50"], ttft["gateway_p50"], ttft["added_p50"], TARGETS["ttft_added_ms"]),
+        ("TTFT p99 (ms, stream)", ttft["direct_p99"], ttft["gateway_p99"], ttft["added_p99"], None),
+    ]
+    print(f"\ngateway benchmark: {args.context}-token document, {args.turns}-turn conversations, "
+          f"{OUT_TOKENS} tokens per answer, fake engine, SQLite pool; {os.cpu_count()} CPUs\n")
+    print(f"{'':26}{'direct':>10}{'gateway':>10}{'added':>10}{'target':>10}")
+    for name, d, g, a, target in rows:
+        print(f"{name:26}{d:10.2f}{g:10.2f}{a:10.2f}{(f'<= {target:g}' if target else ''):>10}")
+    print(f"\nthroughput, {args.sessions} sessions: {tp['calls_per_s']:.0f} calls/s ({tp['calls']} calls in "
+          f"{tp['seconds']:.1f} s; target >= {TARGETS['calls_per_s']:g}); gateway CPU {tp['gateway_cpu_ms_per_call']:.2f} ms/call "
+          f"-> at most {1e3 / tp['gateway_cpu_ms_per_call']:.0f} calls/s on one core")
+    print(f"gateway CPU per call: turn 1 {cpu[1]:.2f} ms, turn 20 {cpu[20]:.2f} ms, turn 40 {cpu[40]:.2f} ms; "
+          f"ratio 40/1 = {ratio:.2f} (target <= {TARGETS['cpu_ratio']:g})")
+    misses = [name for name, ok in [
+        ("p50 added latency", lat["added_p50"] <= TARGETS["p50_added_ms"]),
+        ("throughput", tp["calls_per_s"] >= TARGETS["calls_per_s"]),
+        ("CPU ratio", ratio <= TARGETS["cpu_ratio"]),
+        ("TTFT added", ttft["added_p50"] <= TARGETS["ttft_added_ms"]),
+    ] if not ok]
+    print("targets: " + ("all met" if not misses else "MISSED " + ", ".join(misses)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--context", type=int, default=4000, help="tokens in the first user message")
+    parser.add_argument("--conversations", type=int, default=4, help="sequential conversations for the latency figures")
+    parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--model", type=Path, default=None, help="model directory (default: build `tiny`)")
+    parser.add_argument("--json", action="store_true", help="also print the raw figures as JSON")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from stepline.models import build_model
+
+            model_dir = build_model(Path(tmp) / "tiny", kind="tiny", seed=0)
+        results = asyncio.run(run(args, model_dir, f"sqlite:///{Path(tmp) / 'pool.db'}"))
+    report(results, args)
+    if args.json:
+        print(orjson.dumps(results, option=orjson.OPT_NON_STR_KEYS).decode())
+
+
+if __name__ == "__main__":
+    main()
