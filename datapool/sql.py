@@ -336,8 +336,11 @@ class SqlPool:
             sid = int(row[0])
             tree = self._tree(cur, sid, session_id, int(row[-1])).snapshot()
             rewards = self._rewards(cur, sid, session_id)
-            finish = dict(self._x(cur, "SELECT call_index, finish_reason FROM calls WHERE sid = ?", (sid,)).fetchall())
-        return build_episode(_session(row[:-1]), rewards, tree, leaf_rule, finish)
+            calls = self._x(cur, "SELECT call_index, finish_reason, extra FROM calls WHERE sid = ?", (sid,)).fetchall()
+        finish = {int(c): fr for c, fr, _ in calls}
+        # the trainer divides its logits by the call's sampling temperature (Step.temperature)
+        temps = {int(c): float(msgpack.unpackb(extra)["sampling"].get("temperature") or 1.0) for c, _, extra in calls}
+        return build_episode(_session(row[:-1]), rewards, tree, leaf_rule, finish, temps)
 
     def _rewards(self, cur: Any, sid: int, session_id: str) -> list[Reward]:
         rows = self._x(cur, "SELECT step, name, value, weight, created_at FROM rewards WHERE sid = ?"

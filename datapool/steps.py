@@ -102,6 +102,7 @@ def trajectory(
     rewards: Iterable[Reward] = (),
     finish_reasons: dict[int, str] | None = None,
     is_main: bool = False,
+    temperatures: dict[int, float] | None = None,
 ) -> Trajectory:
     """The root-to-`leaf` path with its steps (see the module docstring for which calls are steps)."""
     by_id = {n.id: n for n in tree.nodes}
@@ -131,6 +132,7 @@ def trajectory(
             weight_version=by_id[acts[0]].weight_version,
             reward=step_rewards.get(call, 0.0),
             finish_reason=(finish_reasons or {}).get(call, "stop"),
+            temperature=(temperatures or {}).get(call, 1.0),
         ))
     steps.sort(key=lambda s: s.action_start)
     if steps:
@@ -152,11 +154,13 @@ def trajectories(
     rule: LeafRule = "drop_superseded",
     rewards: Iterable[Reward] = (),
     finish_reasons: dict[int, str] | None = None,
+    temperatures: dict[int, float] | None = None,
 ) -> list[Trajectory]:
     """The steps view: one `Trajectory` per leaf that trains under `rule`."""
     rewards = list(rewards)
     main = main_leaf(tree)
-    return [trajectory(tree, leaf, rewards, finish_reasons, leaf == main) for leaf in select_leaves(tree, rule)]
+    return [trajectory(tree, leaf, rewards, finish_reasons, leaf == main, temperatures)
+            for leaf in select_leaves(tree, rule)]
 
 
 def build_episode(
@@ -165,6 +169,7 @@ def build_episode(
     tree: SessionTree,
     rule: LeafRule = "drop_superseded",
     finish_reasons: dict[int, str] | None = None,
+    temperatures: dict[int, float] | None = None,
 ) -> EpisodeData:
     """Everything the trainer needs of one session."""
-    return EpisodeData(info, rewards, tree, trajectories(tree, rule, rewards, finish_reasons))
+    return EpisodeData(info, rewards, tree, trajectories(tree, rule, rewards, finish_reasons, temperatures))
