@@ -200,3 +200,64 @@ class FakePool:
 
     def close(self) -> None:
         pass
+
+
+def toy_target(model, vocab: int, size: int, seed: int = 0) -> torch.Tensor:
+    """A learnable toy target: the `size` tokens whose output embedding points most along a random
+    direction (a fresh tiny model samples them at about size/vocab; raising them all is one direction)."""
+    g = torch.Generator().manual_seed(seed)
+    emb = model.get_output_embeddings().weight[:vocab].detach()
+    return (emb @ torch.randn(emb.shape[1], generator=g)).topk(size).indices
+
+
+def rollout(model, pool, version: int, target: torch.Tensor, *, tasks: int = 4, samples: int = 6, vocab: int = 3000,
+            tokens: int = 6, temperature: float = 1.0, seed: int = 0, tag: str = "") -> list[float]:
+    """Two-turn sessions sampled in-process, written to the pool as the gateway would (CallRecords, reward,
+    end). Reward = fraction of sampled tokens in `target`. Returns the rewards."""
+    from datapool.records import CallRecord, Reward, SessionInfo
+
+    g = torch.Generator().manual_seed(seed * 1000 + version)
+    rewards = []
+    for task in range(tasks):
+        prompt = torch.randint(10, vocab, (1, 8), generator=g).repeat(samples, 1)
+        out1, lp1 = sample_batch(model, prompt, tokens, temperature, g)
+        prompt2 = torch.cat([prompt, out1, torch.randint(10, vocab, (1, 3), generator=g).repeat(samples, 1)], 1)
+        out2, lp2 = sample_batch(model, prompt2, tokens, temperature, g)
+        reward = torch.isin(torch.cat([out1, out2], 1), target).float().mean(-1)
+        for i in range(samples):
+            sid = f"{tag}v{version}-t{task}-{i}"
+            pool.create_session(SessionInfo(sid, task_id=f"v{version}-t{task}", harness="toy"))
+            pool.add_calls([
+                CallRecord(sid, c, p[i].numpy().astype(np.int32), o[i].numpy().astype(np.int32),
+                           lp[i].numpy().astype(np.float32), version, sampling={"temperature": temperature})
+                for c, (p, o, lp) in enumerate([(prompt, out1, lp1), (prompt2, out2, lp2)])])
+            pool.add_reward(Reward(sid, float(reward[i])))
+            pool.end_session(sid, "completed")
+            rewards.append(float(reward[i]))
+    return rewards
+
+
+class SamplerSync:
+    """An in-process 'engine' behind the WeightSync interface: each push loads the new weights into the
+    sampler and produces the next round of rollouts into the pool, stamped with the new version."""
+
+    def __init__(self, model_dir, pool, target, **rollout_args) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.pool, self.target, self.args = pool, target, rollout_args
+        self.pushes: list[tuple[str, int]] = []
+        self.rewards: list[float] = []
+
+    def push(self, path, version: int) -> None:
+        from safetensors.torch import load_file
+
+        self.pushes.append((str(path), version))
+        self.model.load_state_dict(load_file(f"{path}/model.safetensors"), strict=False)
+        self.start(version)
+
+    def start(self, version: int) -> None:
+        self.rewards.append(float(np.mean(rollout(self.model, self.pool, version, self.target, **self.args))))
+
+    def close(self) -> None:
+        pass
