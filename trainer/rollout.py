@@ -221,9 +221,9 @@ class RolloutDriver:
     # --- groups and the job ---
 
     async def run_group(self, spec: HarnessSpec, task_id: str, group_size: int | None = None,
-                        metadata: dict[str, Any] | None = None) -> list[EpisodeResult]:
-        """G episodes of one task, in one explicit group."""
-        group_id = f"{task_id}::{spec.name}::{uuid.uuid4().hex[:12]}"
+                        metadata: dict[str, Any] | None = None, prefix: str = "") -> list[EpisodeResult]:
+        """G episodes of one task, in one explicit group ("<prefix><task>::<harness>::<random>")."""
+        group_id = f"{prefix}{task_id}::{spec.name}::{uuid.uuid4().hex[:12]}"
         size = group_size or self.config.group_size
         return list(await asyncio.gather(*(self.run_episode(spec, task_id, group_id, metadata) for _ in range(size))))
 

@@ -1,0 +1,91 @@
+"""The rollout driver and evaluation through the real gateway, recording into a real SQLite pool:
+a scripted engine that plays the expert (the episode must score 1), and the built-in CPU engine
+serving the tiny random model (episodes complete end to end; groups and rewards land in the pool)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from datapool import open_pool
+from datapool.base import Pool
+from gateway.cli import running_gateway
+from gateway.config import GatewaySettings
+from gateway.testing import FakeEngine, Scripted
+from trainer.evaluate import evaluate
+from trainer.rollout import RolloutDriver
+from trainer.rollout_config import HarnessSpec, RolloutConfig
+from trainer.rollout_gateway import GatewayClient
+
+END = "<|im_end|>"
+
+
+@asynccontextmanager
+async def gateway(model_dir: Path, engine_url: str, tmp_path: Path, kind: str) -> AsyncIterator[tuple[str, Pool]]:
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
+    try:
+        async with running_gateway(GatewaySettings(port=0, admin_token="adm"), [engine_url], model_dir, pool,
+                                   engine_kind=kind) as gw:
+            yield gw.url, pool
+    finally:
+        pool.close()
+
+
+def _terminal(tasks: list[str], max_turns: int = 2) -> HarnessSpec:
+    return HarnessSpec(name="terminal", module="agents.terminal", tasks=tasks, max_turns=max_turns)
+
+
+async def test_scripted_expert_through_the_gateway_scores_one(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from agents.terminal.tasks import get_task
+
+    task = get_task("write-cow-0")
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    call = json.dumps({"name": "bash", "arguments": {"command": task.expert_command}})
+    texts = [f"<tool_call>\n{call}\n</tool_call>", "done"]
+    end = tok.token_to_id(END)
+    script = [Scripted(tok.encode(t, add_special_tokens=False).ids + [end], text=t) for t in texts]
+    engine = FakeEngine(script, eos_id=end, decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+    async with engine as engine_url, gateway(tiny_model_dir, engine_url, tmp_path, "sglang") as (url, pool):
+        async with GatewayClient(url, "adm") as client:
+            driver = RolloutDriver(RolloutConfig(harnesses=[_terminal([task.task_id])], group_size=1), client, tmp_path / "w")
+            await driver.run(num_groups=1)
+        result = driver.results[0]
+        assert (result.status, result.reward, result.reason) == ("completed", 1.0, "ok")
+        episode = pool.get_episode(result.session_id)
+        assert episode.info.harness == "terminal" and episode.info.status == "completed"
+        assert episode.outcome == 1.0 and len(episode.tree.calls) == 2
+
+
+async def test_tiny_model_episodes_land_in_the_pool_with_rewards_and_groups(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from stepline.engine.testing import running_engine
+
+    config = RolloutConfig(harnesses=[_terminal(["count-cow-0", "grep-cow-1"], max_turns=2)], group_size=2,
+                           episode_timeout_s=120)
+    with running_engine(tiny_model_dir) as engine_url:
+        async with gateway(tiny_model_dir, engine_url, tmp_path, "builtin") as (url, pool):
+            async with GatewayClient(url, "adm") as client:
+                driver = RolloutDriver(config, client, tmp_path / "w")
+                stats = await driver.run(num_groups=1)
+            report = await evaluate(config, url, "adm", limit=1)
+            assert stats["terminal"]["episodes"] == 2
+            for r in driver.results:
+                info = pool.get_session(r.session_id)
+                assert info.status == r.status and pool.get_episode(r.session_id).outcome == r.reward
+            groups = pool.claim_groups("test", min_version=0, max_groups=10, group_size=2)
+            train = [g for g in groups if not g.episodes[0].info.metadata.get("eval")]
+            assert len(train) == 1 and {e.info.session_id for e in train[0].episodes} == {r.session_id for r in driver.results}
+            (evaluated,) = report["episodes"]
+            assert pool.get_session(evaluated["session_id"]).metadata["eval"] is True
+            assert report["harnesses"]["terminal"]["episodes"] == 1 and report["weight_version"] == 0
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)

@@ -1,0 +1,78 @@
+"""Evaluation: the test split of every harness in a job, through the current policy at the gateway.
+
+    stepline eval JOB.toml --gateway http://127.0.0.1:8000 [--admin-token T] [--out eval.json] [--limit N]
+
+Each test task runs once (greedy or not is the engine's business) in a session tagged
+metadata {"eval": true, "split": "test"} and an explicit group id "eval::<task>::<harness>::…",
+so a trainer can leave these sessions out (`EpisodeData.info.metadata.get("eval")`). Prints success
+per harness and writes the report as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+
+from trainer.rollout import RolloutDriver, format_stats, results_json
+from trainer.rollout_config import RolloutConfig, list_tasks, load_rollout_config
+from trainer.rollout_gateway import GatewayClient
+
+__all__ = ["EVAL_METADATA", "eval_command", "evaluate"]
+
+EVAL_METADATA = {"eval": True}
+
+
+async def evaluate(config: RolloutConfig, gateway_url: str, admin_token: str | None = None, split: str = "test",
+                   limit: int | None = None) -> dict[str, Any]:
+    """Run `split` of every harness once per task; {"split", "weight_version", "harnesses": {name: stats},
+    "episodes": [...]}."""
+    tasks = await asyncio.to_thread(lambda: {h.name: list_tasks(h, split)[:limit] for h in config.harnesses})
+    with tempfile.TemporaryDirectory(prefix="stepline-eval-", dir=config.work_dir) as work:
+        async with GatewayClient(gateway_url, admin_token) as gateway:
+            driver = RolloutDriver(config.model_copy(update={"retries": 0}), gateway, Path(work))
+            await asyncio.gather(*(
+                driver.run_group(spec, task_id, group_size=1, metadata={**EVAL_METADATA, "split": split}, prefix="eval::")
+                for spec in config.harnesses for task_id in tasks[spec.name]
+            ))
+    return {"split": split, "weight_version": await _weight_version(gateway_url),
+            "harnesses": driver.summary(), "episodes": results_json(driver.results)}
+
+
+async def _weight_version(gateway_url: str) -> int | None:
+    """The policy version the gateway serves now (None if /health does not say)."""
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            return (await http.get(f"{gateway_url.rstrip('/')}/health")).json().get("weight_version")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+
+
+@click.command("eval")
+@click.argument("job_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--gateway", "gateway_url", default=lambda: os.environ.get("STEPLINE_GATEWAY_URL"),
+              help="Gateway base URL (a running `stepline up`) [env STEPLINE_GATEWAY_URL].")
+@click.option("--admin-token", default=lambda: os.environ.get("STEPLINE_ADMIN_TOKEN"),
+              help="Admin token of the gateway [env STEPLINE_ADMIN_TOKEN].")
+@click.option("--split", type=click.Choice(["train", "test"]), default="test", show_default=True)
+@click.option("--limit", type=click.IntRange(1), default=None, help="At most this many tasks per harness.")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=Path("eval.json"),
+              show_default=True, help="Where the JSON report goes.")
+def eval_command(job_file: Path, gateway_url: str | None, admin_token: str | None, split: str, limit: int | None,
+                 out_file: Path) -> None:
+    """Success per harness on the test split, through the current policy."""
+    if not gateway_url:
+        raise click.UsageError("no gateway: pass --gateway URL (start one with `stepline up`)")
+    config = load_rollout_config(job_file)
+    if not config.harnesses:
+        raise click.UsageError(f"{job_file} has no [[rollout.harnesses]]")
+    report = asyncio.run(evaluate(config, gateway_url, admin_token, split, limit))
+    out_file.write_text(json.dumps(report, indent=1))
+    click.echo(format_stats(report["harnesses"]))
+    click.echo(f"weight version {report['weight_version']}; report written to {out_file}")
