@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -32,18 +33,40 @@ def pg_base_url() -> str:
     return url
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def pool_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
-    if request.param == "sqlite":
+@contextmanager
+def backend_url(kind: str, tmp_path) -> Iterator[str]:
+    if kind == "sqlite":
         yield f"sqlite:///{tmp_path}/pool.db"
-        return
-    base = pg_base_url()
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    yield f"{base}{'&' if '?' in base else '?'}schema={schema}"
-    import psycopg
+    elif kind == "service":  # the HTTP service (over SQLite), reached through PoolClient
+        from pool_helpers import ServiceThread
 
-    with psycopg.connect(base, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        with ServiceThread(f"sqlite:///{tmp_path}/pool.db") as service:
+            yield service.url
+    else:
+        base = pg_base_url()
+        schema = f"t_{uuid.uuid4().hex[:12]}"
+        yield f"{base}{'&' if '?' in base else '?'}schema={schema}"
+        import psycopg
+
+        with psycopg.connect(base, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+POSTGRES = pytest.param("postgres", marks=pytest.mark.postgres)
+
+
+@pytest.fixture(params=["sqlite", POSTGRES, "service"])
+def pool_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """A URL for every implementation of the pool interface."""
+    with backend_url(request.param, tmp_path) as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", POSTGRES])
+def db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """A URL for every database backend."""
+    with backend_url(request.param, tmp_path) as url:
+        yield url
 
 
 @pytest.fixture

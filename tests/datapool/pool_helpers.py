@@ -20,3 +20,49 @@ def _ids(xs) -> np.ndarray:
     """int32 ids; int64 where a test needs an id int32 cannot hold."""
     a = np.array(xs, dtype=np.int64)
     return a.astype(np.int32) if a.size == 0 or a.max() < 2**31 else a
+
+
+class ServiceThread:
+    """The pool service on a free port, on its own event loop thread (for tests)."""
+
+    def __init__(self, db_url: str) -> None:
+        self.db_url = db_url
+        self.url = ""
+
+    def __enter__(self) -> "ServiceThread":
+        import asyncio
+        import threading
+
+        from aiohttp import web
+
+        from datapool import open_pool
+        from datapool.service import make_app
+
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        async def start() -> None:
+            self.runner = web.AppRunner(make_app(open_pool(self.db_url)), access_log=None)
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            started.set()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.create_task(start())
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(30), "pool service did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()

@@ -1,0 +1,127 @@
+"""The pool service: the `Pool` interface over HTTP with msgpack bodies (aiohttp).
+
+Every method is `POST /v1/<method>` with a msgpack map of its arguments (records encoded by
+`datapool.wire`); the answer is msgpack `{"result": …}` or `{"error": {"type", "message"}}`:
+
+    400 InvalidRecord   the body is not msgpack / not the method's arguments
+    403 ReadOnlyPool    404 UnknownSession (or an unknown method)    422 InvalidRecord
+    500 PoolError       503 Unavailable (the database failed; retry)
+
+Pool methods run one at a time on a worker thread (the embedded pools hold one connection); a call
+returns only after its transaction committed, so an acknowledged write survives a kill -9.
+`GET /health` answers 200 when the service is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from datapool import wire
+from datapool.base import InvalidRecord, Pool, PoolError, ReadOnlyPool, UnknownSession
+
+log = logging.getLogger(__name__)
+MAX_BODY = 512 * 2**20  # large add_calls batches are fine; the client splits bigger ones
+
+STATUS = {InvalidRecord: 422, UnknownSession: 404, ReadOnlyPool: 403}
+
+
+def _methods(pool: Pool) -> dict[str, Callable[[dict], Any]]:
+    """method name -> function of the decoded arguments; results go through `wire.to_wire`."""
+    return {
+        "create_session": lambda a: pool.create_session(wire.decode_session(a["info"])),
+        "add_calls": lambda a: pool.add_calls([wire.decode_call(r) for r in a["records"]]),
+        "add_reward": lambda a: pool.add_reward(wire.decode_reward(a["reward"])),
+        "end_session": lambda a: pool.end_session(a["session_id"], a.get("status", "completed")),
+        "get_session": lambda a: pool.get_session(a["session_id"]),
+        "list_sessions": lambda a: pool.list_sessions(a.get("status")),
+        "get_tree": lambda a: pool.get_tree(a["session_id"]),
+        "get_episode": lambda a: pool.get_episode(a["session_id"], a.get("leaf_rule", "drop_superseded")),
+        "get_calls": lambda a: pool.get_calls(a["session_id"]),  # type: ignore[attr-defined]
+        "stats": lambda a: pool.stats(),
+        "claim_groups": lambda a: pool.claim_groups(
+            a["consumer"], a["min_version"], a["max_groups"], a.get("group_size"),
+            a.get("leaf_rule", "drop_superseded")),
+        "mark_consumed": lambda a: pool.mark_consumed(list(a["group_ids"]), a["consumer"]),
+        "release_groups": lambda a: pool.release_groups(list(a["group_ids"]), a["consumer"]),
+    }
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    body = wire.packb({"error": {"type": kind, "message": message}})
+    return web.Response(status=status, body=body, content_type="application/msgpack")
+
+
+def _database_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [sqlite3.Error]
+    try:
+        import psycopg
+
+        errors.append(psycopg.OperationalError)
+    except ImportError:  # pragma: no cover - psycopg is a dependency
+        pass
+    return tuple(errors)
+
+
+def make_app(pool: Pool) -> web.Application:
+    """The aiohttp application serving `pool` (closed with the app)."""
+    methods = _methods(pool)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool")
+    transient = _database_errors()
+
+    async def rpc(request: web.Request) -> web.Response:
+        method = methods.get(request.match_info["method"])
+        if method is None:
+            return _error(404, "NotFound", f"unknown method {request.match_info['method']!r}")
+        try:
+            args = wire.unpackb(await request.read())
+            if not isinstance(args, dict):
+                raise TypeError("the body must be a msgpack map of arguments")
+        except Exception as exc:  # any decoding failure is the caller's fault
+            return _error(400, "InvalidRecord", f"bad request body: {exc}")
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(executor, method, args)
+        except PoolError as exc:
+            return _error(STATUS.get(type(exc), 500), type(exc).__name__, str(exc))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            return _error(400, "InvalidRecord", f"bad arguments for {request.match_info['method']}: {exc!r}")
+        except transient as exc:
+            log.warning("database error in %s: %s", request.match_info["method"], exc)
+            return _error(503, "Unavailable", f"database error: {exc}")
+        return web.Response(body=wire.packb({"result": result}), content_type="application/msgpack")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def close(app: web.Application) -> None:
+        await asyncio.get_running_loop().run_in_executor(executor, pool.close)
+        executor.shutdown(wait=True)
+
+    app = web.Application(client_max_size=MAX_BODY)
+    app.router.add_post("/v1/{method}", rpc)
+    app.router.add_get("/health", health)
+    app.on_cleanup.append(close)
+    return app
+
+
+async def serve(db_url: str, host: str = "127.0.0.1", port: int = 0) -> None:
+    """Open the pool and serve it until cancelled; prints the bound address (port 0 picks one)."""
+    from datapool import open_pool
+
+    pool = open_pool(db_url)
+    runner = web.AppRunner(make_app(pool), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    print(f"stepline pool: serving {db_url} on http://{host}:{bound}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
