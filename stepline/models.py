@@ -155,10 +155,13 @@ def build_model(
     intermediate_size: int | None = None,
     vocab_size: int = 3072,
     max_position_embeddings: int = 4096,
+    init_std: float = 0.1,
 ) -> Path:
     """Build a random-weight model directory at `out_dir` and return it.
 
     `vocab_size` applies to `tiny` only (the BPE target size); `qwen3-tiny` uses the real vocabulary.
+    `init_std` is larger than HF's 0.02 on purpose: at 0.02 a tiny model with tied embeddings greedily
+    copies its last input token and two seeds give near-identical, near-uniform distributions.
     Deterministic: the same arguments give byte-identical files.
     """
     import torch
@@ -172,7 +175,7 @@ def build_model(
     else:
         raise ValueError(f"unknown model kind {kind!r}; expected 'tiny' or 'qwen3-tiny'")
     config = _config(kind, tokenizer, hidden_size, num_layers, num_heads, num_kv_heads,
-                     intermediate_size or 3 * hidden_size, max_position_embeddings)
+                     intermediate_size or 3 * hidden_size, max_position_embeddings, init_std)
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     with torch.random.fork_rng(devices=[]):
@@ -188,7 +191,7 @@ def build_model(
 
 
 def _config(kind: ModelKind, tokenizer, hidden: int, layers: int, heads: int, kv_heads: int,
-            intermediate: int, max_positions: int):
+            intermediate: int, max_positions: int, init_std: float):
     from transformers import Qwen2Config, Qwen3Config
 
     if hidden % heads or heads % kv_heads:
@@ -198,7 +201,7 @@ def _config(kind: ModelKind, tokenizer, hidden: int, layers: int, heads: int, kv
     common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        tie_word_embeddings=True, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tie_word_embeddings=True, initializer_range=init_std, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None,
     )
     if kind == "tiny":
