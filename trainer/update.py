@@ -228,7 +228,7 @@ def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, 
 
 
 def _record(stats: dict[str, list[float]], name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
-    sel = x[mask]
+    sel = x.detach()[mask]
     if sel.numel():
         stats[name + "_sum"].append(float(sel.float().sum()))
         stats[name + "_n"].append(float(sel.numel()))

@@ -1,0 +1,157 @@
+"""The update: gradient accumulation is exact, groups are flattened as documented, bad groups are skipped,
+and each optional term (critic, KL, entropy, decoupled objective, SFT) does what it says."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from trainer_helpers import FakeCall, episode_from_calls
+
+from datapool.records import Group
+from trainer.batch import build_batch, token_view
+from trainer.config import TrainerConfig
+from trainer.loop import build_policy, objective
+from trainer.update import Objective, update
+
+torch.set_num_threads(1)
+
+
+def toy_groups(n_groups: int = 2, per_group: int = 4, seed: int = 0) -> list[Group]:
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for k in range(n_groups):
+        prompt = torch.randint(10, 3000, (8,), generator=g).tolist()
+        eps = []
+        for i in range(per_group):
+            out = torch.randint(10, 3000, (5,), generator=g).tolist()
+            out2 = torch.randint(10, 3000, (4,), generator=g).tolist()
+            calls = [FakeCall(prompt, out, [-8.0] * 5), FakeCall(prompt + out + [7, 8], out2, [-8.0] * 4)]
+            eps.append(episode_from_calls(f"g{k}s{i}", calls, outcome=float(i % 2 + k), task_id=f"t{k}"))
+        groups.append(Group(f"g{k}", f"t{k}::h", eps, 0))
+    return groups
+
+
+def policy_for(model_dir: Path, tmp_path: Path, **kw):
+    kw = {"lr": 1e-3, **kw}
+    cfg = TrainerConfig(model_dir=model_dir, output_dir=tmp_path, progress=False, tensorboard=False, **kw)
+    return cfg, build_policy(cfg)
+
+
+def flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_micro_batches_accumulate_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # one optimizer step over 8 sessions: 8 micro-batches of 1 == 2 of 4 == 1 of 8 (STYLE §11). Plain SGD with
+    # lr 1 makes the step equal to the (clipped) accumulated gradient; Adam's first step, ±lr·sign(g), would
+    # turn float noise in near-zero gradients into full-size differences.
+    steps = []
+    for micro in (1, 4, 8):
+        cfg, policy = policy_for(tiny_model_dir, tmp_path, micro_batch_episodes=micro)
+        before = flat(policy.model)
+        policy.optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+        policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda _: 1.0)
+        update(policy, build_batch(toy_groups()), objective(cfg, 0, False), version=0)
+        steps.append(flat(policy.model) - before)
+    assert steps[0].abs().max() > 1e-4  # the step did move the weights
+    torch.testing.assert_close(steps[0], steps[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(steps[0], steps[2], atol=1e-6, rtol=0)
+
+
+def test_minibatches_and_epochs_count_optimizer_steps(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg, policy = policy_for(tiny_model_dir, tmp_path, groups_per_update=2, minibatches=2, epochs=3)
+    update(policy, build_batch(toy_groups()), objective(cfg, 0, False), version=0)
+    assert policy.scheduler.last_epoch == 6  # 2 minibatches (one group each) × 3 epochs
+
+
+def test_batch_rows_by_hand() -> None:
+    # call 0 then call 1 continuing it, and a retry of call 1 (call 2): two trajectories share call 0
+    ep = episode_from_calls("s", [FakeCall([1, 2], [3, 4]), FakeCall([1, 2, 3, 4, 5], [6]),
+                                  FakeCall([1, 2, 3, 4, 9], [10, 11])])
+    batch = build_batch([Group("g", "t::h", [ep], 0)])
+    # rows (trajectory, call): main trajectory first (the last leaf): (0, call 0), (0, call 2), then (1, 0), (1, 1)
+    assert batch.step_traj.tolist() == [0, 0, 1, 1]
+    assert batch.step_call.tolist() == [0, 2, 0, 1]
+    assert batch.step_position.tolist() == [0, 1, 0, 1]
+    assert batch.owner_rows().tolist() == [0, 1, 0, 3]  # call 0's tokens belong to the main trajectory's row
+    view = token_view(batch, [0])
+    # packed: [1 2] obs, [3 4] act (call 0), [5] obs, [6] act (call 1), [9] obs, [10 11] act (call 2)
+    assert view.step_ids.tolist() == [0, 0, 3, 1, 1]  # each sampled token once
+    assert view.traj_ids.tolist() == [0, 0, 1, 0, 0]
+
+
+def test_non_finite_groups_are_skipped_and_counted() -> None:
+    good, nan_lp, inf_reward, flat_reward = toy_groups(4)
+    nan_lp.episodes[0].tree.nodes[1].logprobs[0] = np.nan
+    inf_reward.episodes[2].rewards[0].value = math.inf
+    for ep in flat_reward.episodes:
+        ep.rewards[0].value = 1.0
+    batch = build_batch([good, nan_lp, inf_reward, flat_reward],
+                        keep_group=lambda g: "no_variance" if g is flat_reward else None)
+    assert batch.skipped == {"non_finite": 2, "no_variance": 1}
+    assert [ep.info.session_id for ep in batch.episodes] == [f"g0s{i}" for i in range(4)]
+    assert batch.group_ids == ["g0", "g1", "g2", "g3"]  # all of them are consumed
+
+
+def test_first_update_terms_on_a_fresh_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # critic + GAE, KL to the reference, entropy bonus, decoupled objective with truncated IS
+    cfg, policy = policy_for(tiny_model_dir, tmp_path, critic=True, advantage="gae", kl_coef=0.1, entropy_coef=0.01,
+                             old_logprobs="recompute", epochs=2)
+    m = update(policy, build_batch(toy_groups()), objective(cfg, 0, False), version=0)
+    # epoch 1 runs before any step: policy == reference == proximal, so its KL is 0 and its ratios 1;
+    # epoch 2 sees the moved policy
+    assert m["kl_ref_min"] == pytest.approx(0, abs=1e-6) and m["kl_ref_max"] > 1e-4
+    assert m["ratio_min"] < 1 < m["ratio_max"]
+    assert m["value_loss"] > 0 and math.isfinite(m["policy_loss"]) and m["entropy_mean"] > 0
+    cfg1, fresh = policy_for(tiny_model_dir, tmp_path, critic=True, advantage="gae", kl_coef=0.1,
+                             old_logprobs="recompute", epochs=1)
+    m1 = update(fresh, build_batch(toy_groups()), objective(cfg1, 0, False), version=0)
+    assert m1["kl_ref_max"] == pytest.approx(0, abs=1e-6)
+    assert m1["ratio_min"] == pytest.approx(1, abs=1e-6) and m1["ratio_max"] == pytest.approx(1, abs=1e-6)
+
+
+def test_critic_warmup_leaves_the_policy_alone(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg, policy = policy_for(tiny_model_dir, tmp_path, critic=True, advantage="gae", critic_warmup_updates=1)
+    before = flat(policy.model)
+    head_before = torch.cat([p.detach().flatten().clone() for p in policy.value_head.parameters()])
+    update(policy, build_batch(toy_groups()), objective(cfg, 0, False), version=0)
+    assert torch.equal(flat(policy.model), before)
+    assert not torch.equal(torch.cat([p.detach().flatten() for p in policy.value_head.parameters()]), head_before)
+    assert not objective(cfg, 1, False).critic_only
+
+
+def test_stale_tokens_are_masked(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg, policy = policy_for(tiny_model_dir, tmp_path, max_staleness=0)
+    before = flat(policy.model)
+    m = update(policy, build_batch(toy_groups()), objective(cfg, 0, False), version=3)  # data is version 0
+    assert "ratio_mean" not in m and m["staleness_max"] == 3  # no token passed the bound
+    assert torch.equal(flat(policy.model), before)
+
+
+def test_sft_raises_the_likelihood_of_chosen_episodes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg, policy = policy_for(tiny_model_dir, tmp_path, mode="sft", lr=1e-2)
+    batch = build_batch(toy_groups(1), keep_episode=lambda ep: ep.outcome >= 1.0)
+    assert len(batch.episodes) == 2  # outcomes 0, 1, 0, 1
+    logprob = [update(policy, batch, objective(cfg, i, False), version=0)["logprob_mean"] for i in range(5)]
+    assert logprob[-1] > logprob[0] + 0.5, logprob
+
+
+@pytest.mark.parametrize("ratio", ["token", "step", "sequence"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "step-mean", "episode-mean"])
+def test_every_ratio_and_aggregation_runs(tiny_model_dir: Path, tmp_path: Path, ratio: str, aggregation: str) -> None:
+    cfg, policy = policy_for(tiny_model_dir, tmp_path, ratio=ratio, loss_aggregation=aggregation, dual_clip=3.0)
+    m = update(policy, build_batch(toy_groups(1)), objective(cfg, 0, False), version=0)
+    assert math.isfinite(m["policy_loss"]) and m["grad_norm"] > 0
+
+
+def test_objective_defaults_match_the_config() -> None:
+    # the update's plain values have the same defaults as the job file's
+    fields = TrainerConfig.model_fields
+    for name, value in Objective().__dict__.items():
+        key = {"aggregation": "loss_aggregation"}.get(name, name)
+        if key in fields and name not in ("advantage_args",):
+            assert fields[key].default == value, name
