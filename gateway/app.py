@@ -29,7 +29,7 @@ from gateway.frontends.session_routes import SessionRoutes
 from gateway.metrics import metrics_routes
 from gateway.recorder import Recorder
 from gateway.sessions import SessionStore
-from gateway.templating import ChatTemplate
+from gateway.templating import load_template
 from gateway.weights import WeightGate
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def _model_route(core: Core, handler: Handler) -> Callable[[web.Request], Awaita
 
 def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Recorder, gate: WeightGate,
                model_dir: Path) -> web.Application:
-    template = ChatTemplate.from_model_dir(model_dir)
+    template = load_template(model_dir)
     core = Core(settings, router, recorder, gate, template, SessionStore(template, settings.strict_template))
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
     app[CORE_KEY] = core

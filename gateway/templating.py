@@ -122,6 +122,18 @@ class ChatTemplate:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+@lru_cache(maxsize=4)
+def _cached(path: str, mtime: float) -> ChatTemplate:
+    return ChatTemplate.from_model_dir(path)
+
+
+def load_template(model_dir: Path | str) -> ChatTemplate:
+    """`ChatTemplate.from_model_dir`, shared by the apps of one process (parsing tokenizer.json takes
+    about a second for a 150k vocabulary). Read-only after loading, so sharing is safe."""
+    path = Path(model_dir).resolve()
+    return _cached(str(path), (path / "tokenizer.json").stat().st_mtime)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
