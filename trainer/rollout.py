@@ -3,9 +3,9 @@
 For each drawn task it opens G sessions (one group, an explicit group id, so GRPO baselines stay
 per task × harness), launches the harness once per session with that session's endpoint in its
 environment, kills it at the episode timeout (its whole process group), runs the verifier, posts
-the reward and ends the session. A harness that crashes, hangs or leaves nothing to score ends as
-a *failed* episode with a reason (reward `failed_reward`); a verifier that throws or prints garbage
-scores 0 and the reason is logged; the job goes on either way.
+the reward and ends the session. A harness that crashes, hangs or exits non-zero ends as a *failed*
+episode with a reason (reward `failed_reward`, or none if not `score_failed`); a verifier that
+throws or prints garbage scores 0 and the reason is logged; the job goes on either way.
 
 Harness processes get: OPENAI_BASE_URL/OPENAI_API_KEY, ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY,
 STEPLINE_SESSION_ID, STEPLINE_TASK_ID, STEPLINE_OUT_DIR (their own directory) and
@@ -169,12 +169,13 @@ class RolloutDriver:
     async def _play_and_score(self, spec: HarnessSpec, task_id: str, handle: SessionHandle,
                               out: Path) -> tuple[Literal["completed", "failed"], float | None, bool, str]:
         env = self._env(spec, task_id, handle, out)
+        failed_reward = self.config.failed_reward if self.config.score_failed else None
         played = await run_process(self._run_argv(spec, task_id, out), env, Path.cwd(), self.config.episode_timeout_s, out / "harness")
         if played.returncode is None:
-            return "failed", self.config.failed_reward, False, f"harness timed out after {self.config.episode_timeout_s:g}s"
+            return "failed", failed_reward, False, f"harness timed out after {self.config.episode_timeout_s:g}s"
         if played.returncode != 0:
             last = (played.stderr.strip().splitlines() or ["(no stderr)"])[-1]
-            return "failed", self.config.failed_reward, False, f"harness exited with {played.returncode}: {last}"
+            return "failed", failed_reward, False, f"harness exited with {played.returncode}: {last}"
         argv = self._verify_argv(spec, task_id, out)
         if argv is None:
             return "completed", None, False, "reward posted by the harness"

@@ -62,8 +62,9 @@ class RolloutConfig(BaseModel):
     episode_timeout_s: float = Field(300.0, gt=0, description="wall time of one harness process, then SIGKILL")
     verify_timeout_s: float = Field(60.0, gt=0, description="wall time of one verifier process")
     retries: int = Field(0, ge=0, description="re-runs of a failed episode in a new session (the failure stays recorded)")
-    failed_reward: float | None = Field(
-        0.0, description="reward posted for a failed episode; None posts none (the pool then leaves it out of groups)")
+    failed_reward: float = Field(0.0, description="reward posted for a failed episode (crash, hang, non-zero exit)")
+    score_failed: bool = Field(
+        True, description="post failed_reward for failed episodes; false posts none (the pool leaves them out of groups)")
     seed: int = Field(0, description="seed of the harness and task draw")
     keep_episodes: bool = Field(False, description="keep each episode's directory (logs, episode.json)")
     work_dir: Path | None = Field(None, description="where episode directories go (default: a temporary dir)")

@@ -12,8 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-import anthropic
-
 from agents.common import Episode, EndpointError, Tool, ToolCall, anthropic_schema
 from agents.terminal.sandbox import Limits, Sandbox
 from agents.terminal.tasks import Task, setup
@@ -106,6 +104,8 @@ def _run_tool(box: Sandbox, episode: Episode, turn: int, use: dict[str, Any]) ->
 
 def _ask(client: MessagesClient, model: str, max_tokens: int, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One model call; the answer's content blocks as the minimal dicts the API accepts back."""
+    import anthropic  # here, not at the top: expert runs (demonstrations) never pay for the SDK import
+
     try:
         response = client.create(
             model=model, max_tokens=max_tokens, system=SYSTEM, tools=[anthropic_schema(BASH)], messages=messages

@@ -14,7 +14,6 @@ import sys
 import traceback
 from pathlib import Path
 
-import anthropic
 import click
 
 from agents.common import Episode, write_episode
@@ -26,6 +25,8 @@ def play(task_id: str, out: Path, max_turns: int, max_tokens: int, expert: bool)
     task = get_task(task_id)
     if expert:
         return expert_episode(task, out)
+    import anthropic  # only model runs need the SDK (about a second of imports)
+
     client = anthropic.Anthropic(
         api_key=os.environ.get("ANTHROPIC_API_KEY") or "none", max_retries=5,
         timeout=float(os.environ.get("AGENT_REQUEST_TIMEOUT_S", "300")),

@@ -91,7 +91,7 @@ async def test_failed_episode_is_retried_in_a_new_session_of_the_same_group(tmp_
     marker = tmp_path / "tried"
     flaky = HarnessSpec(name="flaky", tasks=["a"], command=f"test -e {marker} || {{ touch {marker}; exit 1; }}",
                         verify_command="echo '{\"reward\": 1}'")
-    config = _config(flaky, group_size=1, retries=2, failed_reward=None)
+    config = _config(flaky, group_size=1, retries=2, score_failed=False)
     async with session_standin() as gw, GatewayClient(gw.url, "admin") as client:
         driver = RolloutDriver(config, client, tmp_path / "work")
         results = await driver.run_group(flaky, "a")
@@ -99,7 +99,7 @@ async def test_failed_episode_is_retried_in_a_new_session_of_the_same_group(tmp_
     assert results[0].success
     first, second = driver.results
     assert gw.ends == {first.session_id: "failed", second.session_id: "completed"}
-    assert first.session_id not in gw.rewards  # failed_reward None: no reward, the pool leaves it out
+    assert first.session_id not in gw.rewards  # score_failed off: no reward, the pool leaves it out
     assert gw.sessions[first.session_id]["group_id"] == gw.sessions[second.session_id]["group_id"]
     assert [gw.sessions[s]["metadata"]["attempt"] for s in (first.session_id, second.session_id)] == [0, 1]
 

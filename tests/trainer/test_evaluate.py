@@ -1,0 +1,81 @@
+"""`stepline eval`: the test split of every harness, sessions tagged eval, success per harness as JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from click.testing import CliRunner
+from session_standin import StandIn, session_standin
+
+from trainer.evaluate import eval_command, evaluate
+from trainer.rollout_config import HarnessSpec, RolloutConfig
+
+ONE = "echo '{\"reward\": 1, \"success\": true}'"
+ZERO = "echo '{\"reward\": 0}'"
+
+
+def _config() -> RolloutConfig:
+    return RolloutConfig(harnesses=[
+        HarnessSpec(name="good", tasks=["a", "b", "c"], command="true", verify_command=ONE),
+        HarnessSpec(name="bad", tasks=["x", "y"], command="true", verify_command=ZERO, weight=5.0),
+    ], group_size=4, retries=3)
+
+
+async def test_every_task_once_tagged_eval() -> None:
+    async with session_standin() as gw:
+        report = await evaluate(_config(), gw.url, "admin", limit=2)
+    assert report["harnesses"]["good"]["success_rate"] == 1.0 and report["harnesses"]["bad"]["success_rate"] == 0.0
+    # limit 2 per harness, one session per task (group size and weights do not apply)
+    assert sorted(body["task_id"] for body in gw.sessions.values()) == ["a", "b", "x", "y"]
+    for body in gw.sessions.values():
+        assert body["metadata"] == {"eval": True, "split": "test", "attempt": 0}
+        assert body["group_id"].startswith("eval::")
+    assert report["weight_version"] is None  # the stand-in has no /health
+
+
+@contextmanager
+def standin_in_thread() -> Iterator[StandIn]:
+    """The stand-in on its own loop, for a CLI that runs asyncio.run itself."""
+    ready, stop = threading.Event(), None
+    holder: list[StandIn] = []
+
+    async def serve() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        async with session_standin() as gw:
+            holder.append(gw)
+            ready.set()
+            await stop.wait()
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),))
+    thread.start()
+    ready.wait(10)
+    try:
+        yield holder[0]
+    finally:
+        loop.call_soon_threadsafe(stop.set)  # type: ignore[union-attr]
+        thread.join(10)
+        loop.close()
+
+
+def test_cli_prints_success_per_harness_and_writes_json(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(
+        "[rollout]\n[[rollout.harnesses]]\nname = \"good\"\ncommand = \"true\"\ntasks = [\"a\"]\n"
+        f"verify_command = \"\"\"{ONE}\"\"\"\n"
+    )
+    out = tmp_path / "eval.json"
+    runner = CliRunner()
+    assert runner.invoke(eval_command, [str(job)], env={"STEPLINE_GATEWAY_URL": ""}).exit_code == 2
+    with standin_in_thread() as gw:
+        result = runner.invoke(eval_command, [str(job), "--gateway", gw.url, "--admin-token", "admin", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "good" in result.output and "1.000" in result.output
+    report = json.loads(out.read_text())
+    assert report["split"] == "test" and report["harnesses"]["good"]["episodes"] == 1
