@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -55,9 +56,11 @@ class Recorder:
         self.flush_interval = flush_interval  # how long a partial batch of calls may wait for company
         self.max_backoff = max_backoff
         self.close_timeout = close_timeout  # aclose gives a failing pool this long before giving up
-        self._queue: deque[_Item] = deque()
-        self._cond = threading.Condition()
-        self._urgent = 0  # control items queued: write without waiting for a full batch
+        # The event loop only ever puts into the inbox (a C-level queue: no Python lock to contend for
+        # with the worker); the worker moves items to `_pending` and pops them once written.
+        self._inbox: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # None: wake up, we close
+        self._pending: deque[_Item] = deque()  # worker only
+        self._pending_controls = 0  # non-call items in _pending (worker only)
         self._closing = False
         self._deadline = 0.0
         self._thread: threading.Thread | None = None
@@ -69,7 +72,7 @@ class Recorder:
     async def start(self) -> None:
         if self._thread is not None:  # already running (start may be called by the app and its runner)
             return
-        metrics.QUEUE_DEPTH.set_function(lambda: len(self._queue))
+        metrics.QUEUE_DEPTH.set_function(self.depth)
         self._thread = threading.Thread(target=self._run, name="recorder", daemon=True)
         self._thread.start()
 
@@ -77,25 +80,25 @@ class Recorder:
         """Write everything queued (giving a failing pool up to `close_timeout` s), then stop."""
         if self._thread is None:
             return
-        with self._cond:
-            self._closing = True
-            self._deadline = time.monotonic() + self.close_timeout
-            self._cond.notify()
+        self._deadline = time.monotonic() + self.close_timeout
+        self._closing = True
+        self._inbox.put(None)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
-        if self._queue:
-            log.error("recorder closed with %d records the pool never accepted", len(self._queue))
+        if self.depth():
+            log.error("recorder closed with %d records the pool never accepted", self.depth())
 
     # --- the app's side ---
+    def depth(self) -> int:
+        """Records queued and not yet committed."""
+        return self._inbox.qsize() + len(self._pending)
+
     def has_capacity(self) -> bool:
-        return len(self._queue) < self.max_queue
+        return self.depth() < self.max_queue
 
     def record_call(self, record: CallRecord) -> None:
         """Queue a call record; never blocks (check `has_capacity()` before dispatching)."""
-        with self._cond:
-            self._queue.append(_Item("call", record))
-            if len(self._queue) == 1 or len(self._queue) >= self.batch_size:
-                self._cond.notify()
+        self._inbox.put(_Item("call", record))
 
     async def create_session(self, info: SessionInfo) -> None:
         await self._submit("session", info)
@@ -114,23 +117,22 @@ class Recorder:
         if self._thread is None:
             raise RuntimeError("Recorder.start() was not called (or it is closed)")
         done: Future[None] = Future()
-        with self._cond:
-            self._queue.append(_Item(kind, payload, done))
-            self._urgent += 1
-            self._cond.notify()
+        self._inbox.put(_Item(kind, payload, done))
         await asyncio.wrap_future(done)
 
     # --- the worker thread ---
     def _run(self) -> None:
         backoff = 0.0
         while (batch := self._next_batch()) is not None:
+            if not batch:
+                continue
             try:
                 self._write(batch)
             except Exception as exc:  # noqa: BLE001 - the pool is down: keep the batch, back off, retry
                 self.pool_errors += 1
                 metrics.POOL_ERRORS.inc()
                 backoff = min(self.max_backoff, max(0.05, backoff * 2))
-                log.warning("pool write failed (%r); %d records queued, retry in %.2f s", exc, len(self._queue), backoff)
+                log.warning("pool write failed (%r); %d records queued, retry in %.2f s", exc, self.depth(), backoff)
                 if self._closing and time.monotonic() > self._deadline:
                     self._give_up(exc)
                     return
@@ -138,32 +140,52 @@ class Recorder:
             else:
                 backoff = 0.0
 
+    def _take(self, item: _Item | None) -> bool:
+        """Move an inbox item to _pending; False for the close sentinel."""
+        if item is None:
+            return False
+        self._pending.append(item)
+        if item.kind != "call":
+            self._pending_controls += 1
+        return True
+
     def _next_batch(self) -> list[_Item] | None:
-        """The items to write next (left on the queue until written): one control item, or up to
-        `batch_size` consecutive calls. None when closing and the queue is empty."""
-        with self._cond:
-            while not self._queue:
-                if self._closing:
-                    return None
-                self._cond.wait()
-            if not self._urgent and not self._closing and len(self._queue) < self.batch_size:
-                self._cond.wait(self.flush_interval)  # let a partial batch grow a little
-            head = self._queue[0]
-            if head.kind != "call":
-                return [head]
-            batch = []
-            for item in self._queue:
-                if item.kind != "call" or len(batch) == self.batch_size:
-                    break
-                batch.append(item)
-            return batch
+        """The items to write next (left pending until written): one control item, or up to
+        `batch_size` consecutive calls. None once closing with nothing left."""
+        if not self._pending and not self._closing:
+            self._take(self._inbox.get())
+        while True:  # everything already in the inbox
+            try:
+                self._take(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        deadline = time.monotonic() + self.flush_interval
+        # a partial batch of calls waits a little for company, unless something waits on it
+        while self._pending and not self._pending_controls and not self._closing and len(self._pending) < self.batch_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                self._take(self._inbox.get(timeout=remaining))
+            except queue.Empty:
+                break
+        if not self._pending:
+            return None if self._closing else []
+        head = self._pending[0]
+        if head.kind != "call":
+            return [head]
+        batch = []
+        for item in self._pending:
+            if item.kind != "call" or len(batch) == self.batch_size:
+                break
+            batch.append(item)
+        return batch
 
     def _pop(self, n: int) -> None:
-        """Remove n written (or refused) items from the head of the queue."""
-        with self._cond:
-            for _ in range(n):
-                if self._queue.popleft().kind != "call":
-                    self._urgent -= 1
+        """Remove n written (or refused) items from the head of the pending queue."""
+        for _ in range(n):
+            if self._pending.popleft().kind != "call":
+                self._pending_controls -= 1
 
     def _write(self, batch: list[_Item]) -> None:
         """Write the batch, popping what the pool committed or refused; transient errors propagate
@@ -218,8 +240,12 @@ class Recorder:
         metrics.RECORDS_WRITTEN.inc(n)
 
     def _give_up(self, exc: Exception) -> None:
-        with self._cond:
-            lost = list(self._queue)
+        while True:
+            try:
+                self._take(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        lost = list(self._pending)
         calls = sum(1 for item in lost if item.kind == "call")
         log.error("pool unavailable at shutdown (%r): %d call records NOT written", exc, calls)
         for item in lost:

@@ -114,6 +114,7 @@ async def test_outage_keeps_records_and_back_pressure_applies() -> None:
     for i in range(3):
         recorder.record_call(call("s", i))
     assert not recorder.has_capacity()  # the app answers 503 now
+    assert recorder.depth() == 3
     await recorder.flush()
     assert recorder.has_capacity()
     assert [op for op in pool.ops] == [("call", 0), ("call", 1), ("call", 2)]  # nothing lost, order kept
