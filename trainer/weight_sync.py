@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 import httpx
-from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 from torch import nn
 
 __all__ = ["GatewayWeightSync", "NoWeightSync", "RecordingWeightSync", "WeightSync", "WeightSyncError",
@@ -62,23 +62,21 @@ class GatewayWeightSync:
     """POST /admin/update_weights {path, version} with the admin token. Transport errors retry with bounded
     backoff; an HTTP error status never retries (a 4xx will not get better)."""
 
-    def __init__(self, gateway_url: str, admin_token: str | None, timeout: float = 600.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, gateway_url: str, admin_token: str | None, timeout: float = 600.0, attempts: int = 5,
+                 backoff: float = 0.2, transport: httpx.BaseTransport | None = None) -> None:
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self._http = httpx.Client(base_url=gateway_url, headers=headers, timeout=timeout, transport=transport)
+        self._retrying = Retrying(retry=retry_if_exception_type(httpx.TransportError), stop=stop_after_attempt(attempts),
+                                  wait=wait_exponential(multiplier=backoff, max=5), reraise=True)
 
     def push(self, path: Path, version: int) -> None:
         try:
-            response = self._post({"path": str(Path(path).resolve()), "version": version})
+            response = self._retrying(self._http.post, "/admin/update_weights",
+                                      json={"path": str(Path(path).resolve()), "version": version})
         except httpx.TransportError as exc:
             raise WeightSyncError(f"gateway unreachable at {self._http.base_url}: {exc}") from exc
         if response.status_code != 200:
             raise WeightSyncError(f"gateway refused weights v{version}: {response.status_code} {response.text[:300]}")
-
-    @retry(retry=retry_if_exception_type(httpx.TransportError), stop=stop_after_attempt(5),
-           wait=wait_exponential(multiplier=0.2, max=5), reraise=True)
-    def _post(self, body: dict) -> httpx.Response:
-        return self._http.post("/admin/update_weights", json=body)
 
     def close(self) -> None:
         self._http.close()

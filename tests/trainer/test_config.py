@@ -1,0 +1,59 @@
+"""Bad job files fail before anything starts, naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import pytest
+from pydantic import ValidationError
+
+from trainer.cli import load_job
+from trainer.config import TrainerConfig
+
+
+def test_defaults_load(tiny_model_dir: Path) -> None:
+    cfg = TrainerConfig(model_dir=tiny_model_dir)
+    assert cfg.advantage == "grpo" and cfg.ratio == "step" and cfg.loss_aggregation == "episode-mean"
+    assert all(f.description for f in TrainerConfig.model_fields.values())  # every field documented
+
+
+@pytest.mark.parametrize("fields,where,says", [
+    ({"advantage": "ppo-magic"}, "advantage", "unknown name 'ppo-magic'"),
+    ({"ratio": "per-char"}, "ratio", "unknown name"),
+    ({"loss_aggregation": "sum"}, "loss_aggregation", "unknown name"),
+    ({"kl_estimator": "k4"}, "kl_estimator", "unknown name"),
+    ({"max_staleness": -1}, "max_staleness", ">= 0"),
+    ({"groups_per_update": 6, "minibatches": 4}, "", "divisible by minibatches"),
+    ({"advantage": "gae"}, "", "needs a critic"),
+    ({"advantage_args": {"gama": 0.9}}, "", "['gama'] not accepted"),
+    ({"lr": 0}, "lr", "greater than 0"),
+    ({"clip_hi": 0.3}, "clip_hi", "Extra inputs"),
+])
+def test_bad_fields_are_named(tiny_model_dir: Path, fields: dict, where: str, says: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        TrainerConfig(model_dir=tiny_model_dir, **fields)
+    err = info.value.errors()[0]
+    assert ".".join(map(str, err["loc"])) == where and says in err["msg"], err
+
+
+def test_missing_model_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError) as info:
+        TrainerConfig(model_dir=tmp_path / "nope")
+    assert info.value.errors()[0]["loc"] == ("model_dir",)
+
+
+def test_job_file_errors_name_table_and_field(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(f'[trainer]\nmodel_dir = "{tiny_model_dir}"\nmax_staleness = -2\n[pool]\nurl = "sqlite:///x.db"\n')
+    with pytest.raises(click.ClickException) as info:
+        load_job(job)
+    assert "trainer.max_staleness" in info.value.message
+
+
+def test_job_file_paths_are_relative_to_the_file(tmp_path: Path, tiny_model_dir: Path) -> None:
+    (tmp_path / "jobs").mkdir()
+    job = tmp_path / "jobs" / "job.toml"
+    job.write_text(f'[trainer]\nmodel_dir = "{tiny_model_dir}"\noutput_dir = "out"\n[other]\nx = 1\n')
+    spec = load_job(job)
+    assert spec.trainer.output_dir == tmp_path / "jobs" / "out" and spec.pool.url == "sqlite:///pool.db"
