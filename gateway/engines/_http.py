@@ -67,9 +67,9 @@ class Transport:
         self.attempts = attempts
         self.backoff = backoff
 
-    def _retrying(self) -> AsyncRetrying:
+    def _retrying(self, attempts: int | None = None) -> AsyncRetrying:
         return AsyncRetrying(
-            stop=stop_after_attempt(self.attempts),
+            stop=stop_after_attempt(attempts or self.attempts),
             wait=wait_exponential(multiplier=self.backoff, max=1.0),
             retry=retry_if_exception(is_transport_error),
             reraise=True,
@@ -80,11 +80,15 @@ class Transport:
         data = orjson.dumps(body)
         limit = aiohttp.ClientTimeout(total=timeout) if timeout is not None else self.timeout
         try:
-            async for attempt in self._retrying():
-                with attempt:
-                    async with self.http.post(self.url + path, data=data, headers=JSON_HEADERS, timeout=limit) as resp:
-                        raw = await resp.read()
-                        status = resp.status
+            try:  # the first try outside tenacity: its per-call setup costs ~tens of µs on the hot path
+                status, raw = await self._post(path, data, limit)
+            except Exception as exc:
+                if not is_transport_error(exc) or self.attempts < 2:
+                    raise
+                await asyncio.sleep(self.backoff)
+                async for attempt in self._retrying(self.attempts - 1):
+                    with attempt:
+                        status, raw = await self._post(path, data, limit)
         except asyncio.TimeoutError as exc:
             raise EngineTimeout(f"no answer from the engine within {limit.total} s", self.url) from exc
         except (aiohttp.ClientError, OSError) as exc:
@@ -95,6 +99,10 @@ class Transport:
             return orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError as exc:
             raise EngineError(f"engine answered invalid JSON: {raw[:200]!r}", self.url) from exc
+
+    async def _post(self, path: str, data: bytes, limit: aiohttp.ClientTimeout) -> tuple[int, bytes]:
+        async with self.http.post(self.url + path, data=data, headers=JSON_HEADERS, timeout=limit) as resp:
+            return resp.status, await resp.read()
 
     async def get_ok(self, path: str, timeout: float = 2.0) -> bool:
         """True when GET path answers 2xx within `timeout` (health checks: no retries)."""
@@ -112,12 +120,17 @@ class Transport:
         engine has sampled tokens the client may already have seen). Closing this generator early
         closes the connection, which makes SGLang / vLLM abort the request."""
         data = orjson.dumps(body)
+        url = self.url + path
         try:
-            async for attempt in self._retrying():
-                with attempt:
-                    resp = await self.http.post(
-                        self.url + path, data=data, headers=JSON_HEADERS, timeout=self.stream_timeout
-                    )
+            try:  # first try outside tenacity (hot path), as in post_json
+                resp = await self.http.post(url, data=data, headers=JSON_HEADERS, timeout=self.stream_timeout)
+            except Exception as exc:
+                if not is_transport_error(exc) or self.attempts < 2:
+                    raise
+                await asyncio.sleep(self.backoff)
+                async for attempt in self._retrying(self.attempts - 1):
+                    with attempt:
+                        resp = await self.http.post(url, data=data, headers=JSON_HEADERS, timeout=self.stream_timeout)
         except asyncio.TimeoutError as exc:
             raise EngineTimeout(f"engine did not start the stream within {self.timeout.total} s", self.url) from exc
         except (aiohttp.ClientError, OSError) as exc:

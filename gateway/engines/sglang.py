@@ -111,15 +111,15 @@ class SGLangEngine:
         try:
             async for event in events:
                 meta = event.get("meta_info", {})
-                new_ids = [int(t) for t in event.get("output_ids", [])]
-                new_lps = [float(e[0]) for e in meta.get("output_token_logprobs") or []]
-                new_text = event.get("text", "")
+                raw_ids, raw_lps, new_text = event.get("output_ids", []), meta.get("output_token_logprobs") or [], event.get("text", "")
                 if cumulative is None and ids:
                     # cumulative events repeat every id so far: their length equals completion_tokens
                     total = meta.get("completion_tokens")
-                    cumulative = len(new_ids) == total if total is not None else new_ids[: len(ids)] == ids
-                if cumulative or not ids:
-                    new_ids, new_lps, new_text = new_ids[len(ids) :], new_lps[len(logprobs) :], new_text[len(text) :]
+                    cumulative = len(raw_ids) == total if total is not None else raw_ids[: len(ids)] == ids
+                if cumulative or not ids:  # convert only the new part: cumulative events grow each time
+                    raw_ids, raw_lps, new_text = raw_ids[len(ids) :], raw_lps[len(logprobs) :], new_text[len(text) :]
+                new_ids = [int(t) for t in raw_ids]
+                new_lps = [float(e[0]) for e in raw_lps]
                 ids += new_ids
                 logprobs += new_lps
                 text += new_text
