@@ -109,8 +109,6 @@ class TokenState:
         ids = np.concatenate([prompt.ids, output_ids])
         if len(output_ids) == 0 or int(output_ids[-1]) not in self.template.stop_token_ids:
             ids = np.concatenate([ids, np.asarray([self.template.eos_id], dtype=np.int32)])
-        elif int(output_ids[-1]) != self.template.eos_id:  # ended on another stop id (e.g. <|endoftext|>)
-            ids[-1] = self.template.eos_id
         if self.strict:
             _put(self._texts, prompt.text + self.template.decode(ids[len(prompt.ids):].tolist()), ids, self.max_entries)
             return

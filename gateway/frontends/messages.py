@@ -93,6 +93,7 @@ class MessagesRequest(_Model):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     stream: bool | None = None
+    seed: int | None = None  # extension (not in the API): reproducible sampling
 
 
 def _text(content: str | list[TextBlock]) -> str:
@@ -150,7 +151,7 @@ def to_call(req: MessagesRequest) -> flow.ChatCall:
     if choice is not None and choice.type == "tool" and choice.name not in names:
         raise invalid(f"tool_choice names an unknown tool {choice.name!r}", param="tool_choice")
     return flow.ChatCall(api="messages", messages=to_messages(req), tools=tools,
-                         sampling=sampling_of(req.temperature, req.top_p, req.top_k, req.stop_sequences, None),
+                         sampling=sampling_of(req.temperature, req.top_p, req.top_k, req.stop_sequences, req.seed),
                          max_tokens=req.max_tokens, tools_enabled=not (choice and choice.type == "none"),
                          stream=bool(req.stream))
 

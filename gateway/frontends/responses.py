@@ -93,6 +93,7 @@ class ResponsesRequest(_Model):
     previous_response_id: str | None = None
     parallel_tool_calls: bool | None = None
     stream: bool | None = None
+    seed: int | None = None  # extension (not in the API): reproducible sampling
 
 
 def _text(content: str | list[TextPart]) -> str:
@@ -159,7 +160,7 @@ def to_call(req: ResponsesRequest, session: Session) -> flow.ChatCall:
     if isinstance(choice, NamedChoice) and choice.name not in names:
         raise invalid(f"tool_choice names an unknown tool {choice.name!r}", param="tool_choice")
     return flow.ChatCall(api="responses", messages=messages, tools=tools,
-                         sampling=sampling_of(req.temperature, req.top_p, None, None, None),
+                         sampling=sampling_of(req.temperature, req.top_p, None, None, req.seed),
                          max_tokens=req.max_output_tokens, tools_enabled=choice != "none", stream=bool(req.stream))
 
 
