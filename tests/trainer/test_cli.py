@@ -1,0 +1,51 @@
+"""`stepline replay JOB.toml --pool FILE`: offline training from a stored pool, which stays untouched."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+from trainer_helpers import rollout, toy_target
+from transformers import AutoModelForCausalLM
+
+from datapool import open_pool
+from stepline.cli import main
+
+torch.set_num_threads(1)
+
+
+def test_replay_trains_offline_from_a_stored_pool(tiny_model_dir: Path, tmp_path: Path) -> None:
+    stored = tmp_path / "stored.db"
+    pool = open_pool(f"sqlite:///{stored}")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    target = toy_target(model, 3000, 750)
+    for version in (0, 5, 9):  # data of several old policy versions: offline replay has no staleness bound
+        rollout(model, pool, version, target, tasks=2, samples=3, tokens=3)
+    pool.close()
+    job = tmp_path / "job.toml"
+    job.write_text(f'[trainer]\nmodel_dir = "{tiny_model_dir}"\noutput_dir = "replay"\ngroups_per_update = 2\n'
+                   'progress = false\ntensorboard = false\ndynamic_sampling = false\nold_logprobs = "recompute"\n')
+
+    result = CliRunner().invoke(main, ["replay", str(job), "--pool", str(stored)])
+    assert result.exit_code == 0, result.output
+    assert "replayed 6 groups in 3 updates" in result.output
+    lines = (tmp_path / "replay" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["episodes"] for line in lines] == [6, 6, 6]
+
+    again = CliRunner().invoke(main, ["replay", str(job), "--pool", str(stored)])  # restart: nothing left
+    assert "replayed 6 groups in 3 updates" in again.output
+    pool = open_pool(f"sqlite:///{stored}")
+    assert pool.stats()["groups_consumed"] == 0 and pool.stats()["groups_claimed"] == 0  # the stored pool is untouched
+    pool.close()
+
+
+def test_bad_job_fails_before_anything_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(f'[trainer]\nmodel_dir = "{tiny_model_dir}"\nadvantage = "nope"\ngroups_per_update = 3\n'
+                   'minibatches = 2\n[pool]\nurl = "sqlite:///never-created.db"\n')
+    result = CliRunner().invoke(main, ["train", str(job)])
+    assert result.exit_code != 0
+    assert "trainer.advantage: Value error, unknown name 'nope'" in result.output
+    assert not (tmp_path / "never-created.db").exists() and not Path("never-created.db").exists()
