@@ -58,20 +58,27 @@ class OpenAIPolicy:
     """Asks an OpenAI-compatible endpoint (OPENAI_BASE_URL / OPENAI_API_KEY) for each turn."""
 
     def __init__(self, tools: list[Tool], *, max_tokens: int = 256, client: openai.OpenAI | None = None):
-        if client is None and not os.environ.get("OPENAI_BASE_URL"):
-            raise EndpointError("OPENAI_BASE_URL is not set")
-        # Retries cover 429/503 with Retry-After (the gateway during a weight update), never other 4xx.
-        self.client = client or openai.OpenAI(
-            api_key=os.environ.get("OPENAI_API_KEY") or "none", max_retries=5,
-            timeout=float(os.environ.get("AGENT_REQUEST_TIMEOUT_S", "300")),
-        )
+        self.client = client
         self.model = os.environ.get("OPENAI_MODEL", "policy")
         self.tools = [openai_schema(tool) for tool in tools]
         self.max_tokens = max_tokens
 
+    def _client(self) -> openai.OpenAI:
+        if self.client is None:
+            if not os.environ.get("OPENAI_BASE_URL"):
+                raise EndpointError("OPENAI_BASE_URL is not set")
+            # Retries cover 429/503 with Retry-After (the gateway during a weight update), never other 4xx.
+            self.client = openai.OpenAI(
+                api_key=os.environ.get("OPENAI_API_KEY") or "none",
+                max_retries=int(os.environ.get("AGENT_MAX_RETRIES", "5")),
+                timeout=float(os.environ.get("AGENT_REQUEST_TIMEOUT_S", "300")),
+            )
+        return self.client
+
     def __call__(self, messages: list[dict[str, Any]]) -> Turn:
+        client = self._client()
         try:
-            response = self.client.chat.completions.create(
+            response = client.chat.completions.create(
                 model=self.model, messages=messages, tools=self.tools, max_tokens=self.max_tokens  # type: ignore[arg-type]
             )
         except openai.OpenAIError as exc:

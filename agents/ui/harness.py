@@ -1,0 +1,102 @@
+"""The UI agent: its prompt, its tools over a simulated app and a simulated user, one episode, replay."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from agents.common import Episode, OpenAIPolicy, Tool, ToolCall, ToolError, Turn, final_turn, run_episode, tool_turn
+from agents.ui.apps import APPS
+from agents.ui.screen import App
+from agents.ui.world import DEFAULT_REPLY, Task, task_by_id
+
+NAME = "ui"
+MAX_TURNS = 4  # up to 3 actions + "Done."
+SYSTEM = "You use a phone app. Do the user's task with the tools. If a detail is missing, ask the user. Then reply Done."
+ACTIONS = ("tap", "type", "scroll", "back", "ask_user")
+NODE_LINE = re.compile(r"^\[(\d+)\] \w+ (.+?)(?:: .*)?$")
+
+
+def make_app(task: Task) -> App:
+    return APPS[task.app](task.data)
+
+
+def make_tools(app: App, task: Task) -> list[Tool]:
+    def ask_user(question: str) -> str:
+        return task.user_reply or DEFAULT_REPLY
+
+    return [
+        Tool("tap", "Tap an element by id.", {"id": "integer"}, app.tap),
+        Tool("type", "Type text into a field.", {"id": "integer", "text": "string"}, app.type),
+        Tool("scroll", "Scroll the list up or down.", {"direction": "string"}, app.scroll),
+        Tool("back", "Go back.", {}, app.back),
+        Tool("ask_user", "Ask the user a question.", {"question": "string"}, ask_user),
+    ]
+
+
+def replay(task: Task, calls: Iterable[ToolCall]) -> App:
+    """A fresh app with the recorded actions applied in order (invalid ones change nothing)."""
+    app = make_app(task)
+    tools = {tool.name: tool for tool in make_tools(app, task)}
+    for call in calls:
+        tool = tools.get(call.name)
+        if tool is None or tool.fn is None or set(call.arguments) != set(tool.parameters):
+            continue
+        try:
+            tool.fn(**call.arguments)
+        except ToolError:
+            pass
+    return app
+
+
+def find_id(screen: str, label: str) -> int | None:
+    for line in screen.splitlines():
+        match = NODE_LINE.match(line)
+        if match and match.group(2) == label:
+            return int(match.group(1))
+    return None
+
+
+def expert_policy(task: Task, first_screen: str):
+    """Follows the task's plan by reading the rendered screens; scrolls down to reach hidden items."""
+    goals, seen = list(task.plan), {"screen": first_screen, "reply": "", "turn": 0, "asked": False}
+
+    def policy(messages: list[dict[str, Any]]) -> Turn:
+        if messages[-1]["role"] == "tool":
+            seen["reply" if seen["asked"] else "screen"] = messages[-1]["content"]
+        turn, seen["asked"] = seen["turn"], False
+        seen["turn"] += 1
+        if not goals:
+            return final_turn("Done.")
+        action, *args = goals[0]
+        if action == "ask":
+            goals.pop(0)
+            seen["asked"] = True
+            return tool_turn("ask_user", turn, question=args[0])
+        node_id = find_id(seen["screen"], args[0].replace("{reply}", seen["reply"]))
+        if node_id is None:
+            more = "(more below)" in seen["screen"]
+            return tool_turn("scroll", turn, direction="down") if more else final_turn("I could not do it.")
+        goals.pop(0)
+        if action == "tap":
+            return tool_turn("tap", turn, id=node_id)
+        return tool_turn("type", turn, id=node_id, text=args[1].replace("{reply}", seen["reply"]))
+
+    return policy
+
+
+def play(task_id: str, max_turns: int, expert: bool) -> Episode:
+    task = task_by_id()[task_id]
+    app = make_app(task)
+    tools = make_tools(app, task)
+    screen = app.render()
+    policy = expert_policy(task, screen) if expert else OpenAIPolicy(tools)
+    episode = Episode(harness=NAME, task_id=task_id, expert=expert, model="" if expert else policy.model)
+    run_episode(policy, episode, system=SYSTEM, user=f"{task.instruction}\n\n{screen}", tools=tools, max_turns=max_turns)
+    episode.state = {"app": task.app, "data": app.data, "screen": app.render()}
+    return episode
+
+
+def known(task_id: str) -> bool:
+    return task_id in task_by_id()
