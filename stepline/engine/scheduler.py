@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -24,7 +25,7 @@ from transformers import DynamicCache
 
 from stepline.engine.kv import BatchCache
 from stepline.engine.protocol import SequenceSpec
-from stepline.engine.sampling import sample_token
+from stepline.engine.sampling import sample_batch
 
 __all__ = ["Scheduler", "Sequence"]
 
@@ -149,8 +150,8 @@ class Scheduler:
             seq = self._waiting.popleft()
             if not seq.output_ids:
                 seq.weight_version = self.weight_version
-                if seq.spec.seed is not None:
-                    seq.generator = torch.Generator().manual_seed(seq.spec.seed)
+                seed = seq.spec.seed if seq.spec.seed is not None else random.getrandbits(63)
+                seq.generator = torch.Generator().manual_seed(seed)
                 if seq.spec.params.max_new_tokens == 0:
                     self._finish(seq, {"type": "length", "length": 0})
                     continue
@@ -161,7 +162,7 @@ class Scheduler:
             logits = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
             kv = BatchCache(cache, torch.ones(1, len(ids), dtype=torch.long))
             if not seq.output_ids:
-                self._append(seq, *self._sample(seq, logits))
+                self._sample([seq], logits[None])
                 if seq.finished:
                     continue
             self._kv = kv if self._kv is None else self._kv.merge(kv)
@@ -174,13 +175,20 @@ class Scheduler:
         mask = self._kv.grow()
         logits = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
                             cache=self._kv.cache, use_cache=True).logits[:, -1]
-        for seq, row in zip(self._running, logits):
-            self._append(seq, *self._sample(seq, row))
+        self._sample(self._running, logits)
         self._retire()
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, float]:
-        p = seq.spec.params
-        return sample_token(logits, p.temperature, p.top_k, p.top_p, seq.generator)
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample the next token of each sequence from its logits row ([B, V]) and append it."""
+        params = [s.spec.params for s in seqs]
+        # One uniform draw per sampled sequence from its own generator: batch-mates cannot shift it.
+        u = [float(torch.rand((), generator=s.generator)) if p.temperature > 0 else 0.0 for s, p in zip(seqs, params)]
+        tokens, logprobs = sample_batch(
+            logits, torch.tensor([p.temperature for p in params]), torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.top_p for p in params]), torch.tensor(u),
+        )
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            self._append(seq, token, logprob)
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         seq.logprobs.append(logprob)  # before the id: readers take len(output_ids) tokens, lock-free
