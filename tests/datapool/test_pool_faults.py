@@ -54,12 +54,26 @@ def test_unreachable_service_raises_pool_unavailable_not_pool_error():
     client.close()
 
 
-def start_service(db: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", "pool", "serve", "--db", db, "--port", "0"],
+def start_service(db: str, *command: str) -> tuple[subprocess.Popen, str]:
+    args = command or ("pool", "serve")
+    proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", *args, "--db", db, "--port", "0"],
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()  # "stepline pool: serving … on http://127.0.0.1:PORT"
     assert "serving" in line, line
     return proc, line.rsplit(" ", 1)[1].strip()
+
+
+def test_pool_without_subcommand_serves_and_stops_on_ctrl_c(tmp_path):
+    proc, url = start_service(f"sqlite:///{tmp_path}/p.db", "pool")
+    try:
+        assert httpx.get(f"{url}/health").json() == {"ok": True}
+        client = PoolClient(url)
+        client.create_session(session("s"))
+        assert client.get_session("s").task_id == "t1"
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
 
 
 def test_kill_9_mid_stream_keeps_every_acknowledged_write(tmp_path):
