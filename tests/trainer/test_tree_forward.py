@@ -88,3 +88,37 @@ def test_fresh_policy_reproduces_sampled_logprobs(tiny_model_dir: Path) -> None:
         out = forest_forward(model, forest)
     torch.testing.assert_close(out.logprobs, forest.behaviour_logprobs, atol=1e-4, rtol=0)
     assert out.entropy is not None and bool((out.entropy > 0).all())
+
+
+def test_fresh_policy_matches_the_builtin_engine_through_the_pool(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Records sampled by the built-in engine (SGLang /generate subset), stored by the SQLite pool (its own
+    # radix tree and steps view), re-scored by one tree forward: logprobs equal the engine's to 1e-4.
+    import httpx
+    import numpy as np
+
+    from datapool import open_pool
+    from datapool.records import CallRecord, Reward, SessionInfo
+    from stepline.engine.testing import running_engine
+
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
+    pool.create_session(SessionInfo("s", task_id="t", harness="h"))
+    prompt, records = [11, 12, 13, 14, 15], []
+    with running_engine(tiny_model_dir) as url:
+        for call, temperature in enumerate([0.7, 1.0, 1.3]):
+            sampling = {"temperature": temperature, "max_new_tokens": 6, "ignore_eos": True}
+            body = httpx.post(f"{url}/generate", json={"input_ids": prompt, "sampling_params": sampling,
+                                                       "return_logprob": True}, timeout=60).json()
+            logprobs = [lp for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
+            records.append(CallRecord("s", call, np.array(prompt, np.int32), np.array(body["output_ids"], np.int32),
+                                      np.array(logprobs, np.float32), 0, sampling=sampling))
+            prompt = prompt + body["output_ids"] + [20 + call, 21 + call]  # the harness adds an observation
+    pool.add_calls(records)
+    pool.add_reward(Reward("s", 1.0))
+    pool.end_session("s")
+    episode = pool.get_episode("s")
+    pool.close()
+    forest = pack_forest([episode])
+    assert len(forest.targets) == 18 and forest.temperature.unique().tolist() == pytest.approx([0.7, 1.0, 1.3])
+    with torch.no_grad():
+        out = forest_forward(load(tiny_model_dir), forest)
+    torch.testing.assert_close(out.logprobs, forest.behaviour_logprobs, atol=1e-4, rtol=0)
