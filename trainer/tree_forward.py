@@ -6,7 +6,7 @@ model once per step on that step's full sequence, recomputing the shared prefix 
 sequence, parents first, and the model gets a *tree attention mask*: each token attends to the tokens
 of its ancestor nodes and to the earlier tokens of its own node. Position ids are the depth in the
 tree, so every token sees exactly the context and positions it had when the engine sampled it.
-Several sessions can share one pass (a forest): their blocks never see each other.
+Several sessions share one forward pass (a forest) as the rows of a padded batch.
 
     forest = pack_forest(episodes)                     # PackedForest, plain tensors
     out = forest_forward(model, forest)                # ForestOutput: logprobs [A], entropy [A], values [A]
@@ -46,22 +46,39 @@ class PackedForest:
     episode: torch.Tensor  # int64 [A]: index of the token's episode in the list given to pack_forest
     call_index: torch.Tensor  # int64 [A]: the call (step) that sampled the token
     naive_tokens: int  # tokens a per-step forward would process: sum over steps of len(state + action)
+    offsets: list[int]  # episode i's tokens are input_ids[offsets[i]:offsets[i + 1]] (one batch row each)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def attention_bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [1, 1, N, N]: 0 where query i may attend key j, the dtype's minimum elsewhere.
-
-        Works with HF's eager and sdpa attention (a 4-D mask is passed through as is). Ancestor nodes come
-        earlier in the pack, so `j <= i` is only a restriction inside a node (causal within the node).
-        """
-        n = self.num_tokens
-        allowed = self.ancestors[self.node_of[:, None], self.node_of[None, :]]
-        allowed &= torch.ones(n, n, dtype=torch.bool).tril()
-        bias = torch.zeros(n, n, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    def attention_bias(self, dtype: torch.dtype, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Additive mask [1, 1, n, n] over tokens start:end: 0 where query i may attend key j, the dtype's
+        minimum elsewhere. Works with HF's eager and sdpa attention (a 4-D mask is passed through as is).
+        Ancestor nodes come earlier in the pack, so `j <= i` only restricts attention inside a node."""
+        node = self.node_of[start:end]
+        allowed = self.ancestors[node[:, None], node[None, :]]
+        allowed &= torch.ones(len(node), len(node), dtype=torch.bool).tril()
+        bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
         return bias[None, None]
+
+    def batch_rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One padded row per episode (attention never crosses sessions, so no quadratic cost across them):
+        input_ids [B, L], position_ids [B, L], bias [B, 1, L, L], and the flat index (row * L + col) of
+        each packed token [N]. Padding attends only to itself (no empty softmax rows)."""
+        spans = [(a, b) for a, b in zip(self.offsets[:-1], self.offsets[1:]) if b > a]
+        width = max(b - a for a, b in spans)
+        ids = torch.zeros(len(spans), width, dtype=torch.int64)
+        pos = torch.zeros(len(spans), width, dtype=torch.int64)
+        bias = torch.full((len(spans), 1, width, width), torch.finfo(dtype).min, dtype=dtype)
+        bias.diagonal(dim1=-2, dim2=-1).zero_()
+        flat = torch.empty(self.num_tokens, dtype=torch.int64)
+        for row, (a, b) in enumerate(spans):
+            ids[row, : b - a] = self.input_ids[a:b]
+            pos[row, : b - a] = self.position_ids[a:b]
+            bias[row, :, : b - a, : b - a] = self.attention_bias(dtype, a, b)[0]
+            flat[a:b] = row * width + torch.arange(b - a)
+        return ids, pos, bias, flat
 
 
 @dataclass
@@ -90,6 +107,7 @@ def pack_forest(episodes: list[EpisodeData]) -> PackedForest:
     act: dict[str, list] = {k: [] for k in ("targets", "sources", "temp", "lp", "ver", "ep", "call")}
     cursor = 0
     naive = 0
+    offsets = [0]
     for e, episode in enumerate(episodes):
         temps = _temperatures(episode)
         slot: dict[int, int] = {}  # node id -> pack index
@@ -120,6 +138,7 @@ def pack_forest(episodes: list[EpisodeData]) -> PackedForest:
             depth_end[node.id] = start_depth + n
             cursor += n
         naive += sum(step.action_end for step in _unique_steps(episode))
+        offsets.append(cursor)
     return PackedForest(
         input_ids=_cat(ids, torch.int64),
         position_ids=_cat(positions, torch.int64),
@@ -133,6 +152,7 @@ def pack_forest(episodes: list[EpisodeData]) -> PackedForest:
         episode=_cat(act["ep"], torch.int64),
         call_index=_cat(act["call"], torch.int64),
         naive_tokens=naive,
+        offsets=offsets,
     )
 
 
@@ -173,13 +193,13 @@ def forest_forward(
     """
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    out = model.base_model(
-        input_ids=forest.input_ids[None].to(device),
-        position_ids=forest.position_ids[None].to(device),
-        attention_mask=forest.attention_bias(dtype).to(device),
-        use_cache=False,
-    )
-    hidden = out.last_hidden_state[0, forest.sources.to(device)]  # [A, H]
+    if forest.num_tokens == 0:
+        empty = torch.zeros(0, device=device)
+        return ForestOutput(empty, empty if with_entropy else None, empty if value_head is not None else None)
+    ids, pos, bias, flat = forest.batch_rows(dtype)
+    out = model.base_model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=bias.to(device),
+                           use_cache=False)
+    hidden = out.last_hidden_state.flatten(0, 1)[flat[forest.sources].to(device)]  # [A, H]
     return _score(model, hidden, forest.input_ids[forest.targets].to(device), forest.temperature.to(device),
                   value_head, with_entropy)
 
