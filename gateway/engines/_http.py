@@ -16,6 +16,17 @@ from gateway.engines.base import EngineError, EngineRejected, EngineTimeout, Eng
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
+def dumps(body: dict[str, Any]) -> bytes:
+    """JSON bytes; numpy arrays (e.g. int32 prompt ids) are written natively, without a .tolist()."""
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY, default=_tolist)
+
+
+def _tolist(value: Any) -> Any:
+    if hasattr(value, "tolist"):  # numpy scalars and non-contiguous arrays
+        return value.tolist()
+    raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
 def is_transport_error(exc: BaseException) -> bool:
     """Connection refused / reset / server gone: safe to retry. Timeouts are not (the engine may
     still be working on it), and neither is any HTTP answer."""
@@ -77,7 +88,7 @@ class Transport:
 
     async def post_json(self, path: str, body: dict[str, Any], timeout: float | None = None) -> Any:
         """POST and return the decoded JSON answer; raise an EngineError subclass on any failure."""
-        data = orjson.dumps(body)
+        data = dumps(body)
         limit = aiohttp.ClientTimeout(total=timeout) if timeout is not None else self.timeout
         try:
             try:  # the first try outside tenacity: its per-call setup costs ~tens of µs on the hot path
@@ -119,7 +130,7 @@ class Transport:
         Connecting is retried on transport errors; once bytes have flowed nothing is retried (the
         engine has sampled tokens the client may already have seen). Closing this generator early
         closes the connection, which makes SGLang / vLLM abort the request."""
-        data = orjson.dumps(body)
+        data = dumps(body)
         url = self.url + path
         try:
             try:  # first try outside tenacity (hot path), as in post_json

@@ -55,6 +55,9 @@ class StreamDelta:
 
 @runtime_checkable
 class EngineClient(Protocol):
+    """An engine adapter. `input_ids` may also be an int32 numpy array: it is serialised directly,
+    which saves the hot path a `.tolist()` of the whole prompt."""
+
     url: str
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None) -> Generation: ...

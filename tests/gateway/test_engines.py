@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import aiohttp
+import numpy as np
 import pytest
 
 from gateway.engines import (
@@ -58,6 +59,19 @@ async def test_generate_sends_token_ids_and_sampling(http, kind, api, incrementa
     else:
         assert path == "/v1/completions" and body["prompt"] == PROMPT and body["return_token_ids"] is True
         assert (body["max_tokens"], body["seed"], body["logprobs"], body["model"]) == (2, 7, 1, "fake-model")
+
+
+@pytest.mark.parametrize("kind,api,incremental", FORMATS)
+async def test_numpy_prompt_ids_are_sent_as_a_json_list(http, kind, api, incremental) -> None:
+    fake = FakeEngine([Scripted([5])], api=api)
+    async with fake as url:
+        engine = make_engine(url, kind, http, timeout=5)
+        gen = await engine.generate(np.asarray(PROMPT, dtype=np.int32)[::1], SamplingParams())
+        [d async for d in engine.stream(np.arange(8, dtype=np.int32)[::2], SamplingParams())]  # not contiguous
+    bodies = [body for path, body in fake.requests if path != "/v1/models"]
+    key = "input_ids" if api == "sglang" else "prompt"
+    assert [b[key] for b in bodies] == [PROMPT, [0, 2, 4, 6]]
+    assert gen.prompt_tokens == 4
 
 
 @pytest.mark.parametrize("kind,api,incremental", FORMATS)
