@@ -101,12 +101,12 @@ def pg_drop(schema: str) -> None:
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-def pg_bytes(url: str, schema: str) -> int:
+def pg_bytes(schema: str) -> int:
     import psycopg
 
     with psycopg.connect(os.environ["STEPLINE_PG_URL"], autocommit=True) as conn:
-        rows = conn.execute("SELECT SUM(pg_total_relation_size(quote_ident(schemaname) || '.' || quote_ident(tablename)))"
-                            " FROM pg_tables WHERE schemaname = %s", (schema,)).fetchone()
+        rows = conn.execute("SELECT SUM(pg_total_relation_size(quote_ident(schemaname) || '.'"
+                            " || quote_ident(tablename))) FROM pg_tables WHERE schemaname = %s", (schema,)).fetchone()
     return int(rows[0])
 
 
@@ -132,7 +132,7 @@ def main() -> None:
     if pg:
         try:
             rate, stats = ingest(pg[0], calls, args.batch)
-            rows.append(("postgresql", rate, pg_bytes(*pg) / stats["tokens"]))
+            rows.append(("postgresql", rate, pg_bytes(pg[1]) / stats["tokens"]))
         finally:
             pg_drop(pg[1])
     else:

@@ -30,11 +30,11 @@ import numpy as np
 
 from datapool.base import InvalidRecord, PoolError, ReadOnlyPool, UnknownSession
 from datapool.records import (
+    NO_VERSION,
     CallRecord,
     EpisodeData,
     Group,
     LeafRule,
-    NO_VERSION,
     Reward,
     SessionInfo,
     SessionTree,

@@ -29,7 +29,7 @@ class ServiceThread:
         self.db_url = db_url
         self.url = ""
 
-    def __enter__(self) -> "ServiceThread":
+    def __enter__(self) -> ServiceThread:
         import asyncio
         import threading
 

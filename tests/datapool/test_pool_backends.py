@@ -224,7 +224,7 @@ VOCAB = 3
 @st.composite
 def batches(draw):
     seqs, calls = [], []
-    for i in range(draw(st.integers(1, 8))):
+    for _ in range(draw(st.integers(1, 8))):
         if seqs and draw(st.booleans()):
             base = draw(st.sampled_from(seqs))
             prompt = base[: draw(st.integers(0, len(base)))] + draw(st.lists(st.integers(0, VOCAB - 1), max_size=3))

@@ -124,6 +124,7 @@ def test_show_decodes_with_a_tokenizer(tmp_path, tiny_model_dir):
     pool.create_session(session("a"))
     pool.add_calls([call("a", 0, tok.encode("hello there"), tok.encode("general kenobi"))])
     pool.close()
-    out = CliRunner(env={"COLUMNS": "200"}).invoke(pool_group, ["show", "a", "--db", db, "--tokenizer", str(tiny_model_dir)])
+    args = ["show", "a", "--db", db, "--tokenizer", str(tiny_model_dir)]
+    out = CliRunner(env={"COLUMNS": "200"}).invoke(pool_group, args)
     assert out.exit_code == 0, out.output
     assert "hello there" in out.output and "general kenobi" in out.output

@@ -84,7 +84,8 @@ def test_replay_rebuilds_the_same_tree():
     tree, stored = RadixTree("s"), []
     for call, (p, o) in enumerate([([1, 2, 3], [4]), ([1, 2, 3, 4, 5], [6]), ([1, 9], [7]), ([1, 9], [8])]):
         got = add(tree, call, p, o)
-        stored.append(StoredCall(call, got.base_call, got.base_len, got.new_prompt, ids(*o), lps(len(o), -0.1 * (call + 1)), 0))
+        stored.append(StoredCall(call, got.base_call, got.base_len, got.new_prompt, ids(*o),
+                                 lps(len(o), -0.1 * (call + 1)), 0))
     assert shape(replay("s", stored)) == shape(tree)
 
 
