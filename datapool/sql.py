@@ -187,16 +187,16 @@ class SqlPool:
         check_session(info)
         created = info.created_at or time.time()
         with self._transaction(write=True) as cur:
-            row = self._x(cur, "SELECT task_id, harness, group_id FROM sessions WHERE session_id = ?",
-                          (info.session_id,)).fetchone()
-            if row is not None:
-                if tuple(row) != (info.task_id, info.harness, info.group_id):
-                    raise InvalidRecord(f"session {info.session_id!r} exists with another task/harness/group")
-                return
+            # ON CONFLICT: two writers creating one session at once both succeed (PostgreSQL)
             self._x(cur, "INSERT INTO sessions (session_id, task_id, harness, group_id, group_key, metadata,"
-                    " status, created_at, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " status, created_at, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT (session_id) DO NOTHING",
                     (info.session_id, info.task_id, info.harness, info.group_id, info.group_key,
                      msgpack.packb(info.metadata), info.status, created, info.ended_at))
+            row = self._x(cur, "SELECT task_id, harness, group_id FROM sessions WHERE session_id = ?",
+                          (info.session_id,)).fetchone()
+            if tuple(row) != (info.task_id, info.harness, info.group_id):
+                raise InvalidRecord(f"session {info.session_id!r} exists with another task/harness/group")
 
     def add_calls(self, records: list[CallRecord]) -> None:
         """Insert a batch atomically (all or nothing); each call stores only its new tokens."""
@@ -274,7 +274,10 @@ class SqlPool:
                            " weight_version FROM calls WHERE sid = ? ORDER BY ord", (sid,)).fetchall()
             stored = [StoredCall(int(c), int(b), int(n), _ids(p), _ids(o), _floats(lp), int(v))
                       for c, b, n, p, o, lp, v in rows]
-            tree = replay(session_id, stored)
+            try:
+                tree = replay(session_id, stored)
+            except (ValueError, KeyError, IndexError) as exc:
+                raise PoolError(f"session {session_id!r} is corrupt in storage: {exc}") from exc
             self._trees[sid] = tree
         self._trees.move_to_end(sid)
         while len(self._trees) > self._cache_sessions:
