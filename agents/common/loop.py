@@ -15,12 +15,14 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import openai
+from typing import TYPE_CHECKING, Any
 
 from agents.common.episode import Episode, ToolCall
 from agents.common.tools import Tool, call_tool, openai_schema
+
+
+if TYPE_CHECKING:
+    import openai
 
 
 class EndpointError(Exception):
@@ -64,6 +66,8 @@ class OpenAIPolicy:
         self.max_tokens = max_tokens
 
     def _client(self) -> openai.OpenAI:
+        import openai  # here, so expert runs and verifiers start without the SDK
+
         if self.client is None:
             if not os.environ.get("OPENAI_BASE_URL"):
                 raise EndpointError("OPENAI_BASE_URL is not set")
@@ -76,6 +80,8 @@ class OpenAIPolicy:
         return self.client
 
     def __call__(self, messages: list[dict[str, Any]]) -> Turn:
+        import openai
+
         client = self._client()
         try:
             response = client.chat.completions.create(

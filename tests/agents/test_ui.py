@@ -1,0 +1,131 @@
+"""The UI harness: apps, screens, the simulated user, expert, replay verifier and runs through HTTP."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from harness_helpers import cli, endpoint, random_policy, server_policy, verdict
+
+from agents.common import Episode, ToolError, read_episode, run_episode
+from agents.common.scripted_server import ScriptedServer
+from agents.ui.apps import AlarmsApp, ContactsApp, ShoppingApp
+from agents.ui.harness import MAX_TURNS, SYSTEM, expert_policy, make_app, make_tools, play
+from agents.ui.tasks import split_ids
+from agents.ui.verify import score
+from agents.ui.world import APP_ORDER, task_by_id, tasks
+
+ALARMS = {"alarms": [{"time": t, "on": False} for t in ("06:00", "07:00", "08:00", "09:00")]}
+
+
+def test_split_is_fixed_and_test_names_are_new() -> None:
+    train, test = split_ids("train"), split_ids("test")
+    assert (len(train), len(test)) == (320, 80) and not set(train) & set(test)
+    assert sorted(task_by_id()[t].app for t in test) == sorted(APP_ORDER * 20)
+    done = cli("agents.ui.tasks", "--split", "test")
+    assert done.returncode == 0 and json.loads(done.stdout) == test
+    names = lambda split: {c["name"] for t in tasks() if t.split == split and t.app == "contacts" for c in t.data["contacts"]}  # noqa: E731
+    assert not names("train") & names("test")
+
+
+def test_screen_render_scroll_and_invalid_actions() -> None:
+    app = AlarmsApp(ALARMS)
+    assert app.render() == ("Alarms\n[1] switch 06:00: off\n[2] switch 07:00: off\n[3] switch 08:00: off\n(more below)\n"
+                            "[5] field New alarm: \n[6] button Add")
+    with pytest.raises(ToolError, match="no element 4 on screen"):
+        app.tap(4)  # scrolled out
+    assert app.scroll("down").splitlines()[1:3] == ["(more above)", "[2] switch 07:00: off"]
+    app.tap(4)
+    assert app.data["alarms"][3]["on"] is True
+    with pytest.raises(ToolError, match="not a field"):
+        app.type(6, "x")
+    app.type(5, "25:00")
+    with pytest.raises(ToolError, match="invalid time"):
+        app.tap(6)
+    assert len(app.data["alarms"]) == 4  # an invalid action changes nothing
+    with pytest.raises(ToolError, match="direction must be up or down"):
+        app.scroll("left")
+    with pytest.raises(ToolError, match="already on the first screen"):
+        app.back()
+    app.type(5, "05:30")
+    app.tap(6)
+    assert app.data["alarms"][0] == {"time": "05:30", "on": True}
+
+
+def test_contacts_and_shopping_navigation() -> None:
+    contacts = ContactsApp({"contacts": [{"name": "Kalo", "phone": "555-0100", "favorite": False}]})
+    assert contacts.tap(1) == "Kalo\n[1] text Phone: 555-0100\n[2] switch Favorite: off\n[3] button Delete"
+    with pytest.raises(ToolError, match="not tappable"):
+        contacts.tap(1)
+    assert contacts.tap(3) == "Contacts" and contacts.data["contacts"] == []
+    shop = ShoppingApp({"products": ["Kalomi tea"], "cart": {}})
+    shop.tap(1)
+    shop.type(2, "3")
+    assert shop.tap(3).splitlines()[1:3] == ["[1] text In cart: 3", "[2] field Quantity: 1"]
+    assert shop.back() == "Shop\n[1] button Kalomi tea"
+
+
+def test_simulated_user_gives_the_withheld_detail_only_when_asked() -> None:
+    task = task_by_id()["ui-0005"]
+    assert (task.instruction, task.user_reply) == ("Add an alarm.", "06:15")
+    tools = {tool.name: tool for tool in make_tools(make_app(task), task)}
+    assert tools["ask_user"].fn(question="What time?") == "06:15"
+    other = task_by_id()["ui-0001"]
+    assert {t.name: t for t in make_tools(make_app(other), other)}["ask_user"].fn(question="?") == "Just do what I asked."
+
+
+def test_expert_solves_every_test_task_in_at_most_three_actions() -> None:
+    for task_id in split_ids("test"):
+        episode = play(task_id, MAX_TURNS, expert=True)
+        assert score(task_id, episode).success, task_id
+        assert len(episode.calls) <= 3 and episode.final == "Done."
+
+
+def _random_call(rng: random.Random) -> tuple[str, dict]:
+    return rng.choice([
+        ("tap", {"id": rng.randint(1, 6)}), ("type", {"id": rng.randint(1, 6), "text": rng.choice(["07:30", "2"])}),
+        ("scroll", {"direction": rng.choice(["up", "down"])}), ("back", {}), ("ask_user", {"question": "?"}),
+    ])
+
+
+def test_random_policy_scores_near_zero() -> None:
+    rng = random.Random(0)
+    rewards = []
+    for task_id in split_ids("test"):
+        task = task_by_id()[task_id]
+        app = make_app(task)
+        episode = run_episode(random_policy(rng, [_random_call]), Episode(harness="ui", task_id=task_id), system=SYSTEM,
+                              user=f"{task.instruction}\n\n{app.render()}", tools=make_tools(app, task), max_turns=MAX_TURNS)
+        episode.state = {"data": app.data}
+        rewards.append(score(task_id, episode).reward)
+    assert sum(rewards) / len(rewards) < 0.1
+
+
+def test_verifier_replays_actions_and_rejects_a_forged_state() -> None:
+    episode = play("ui-0004", MAX_TURNS, expert=True)
+    assert score("ui-0004", episode).reason == "settings state matches the goal"
+    episode.state["data"]["toggles"]["Wi-Fi"] = not episode.state["data"]["toggles"]["Wi-Fi"]
+    assert score("ui-0004", episode).reason == "the recorded app state differs from the replayed actions"
+    claimed = Episode(harness="ui", task_id="ui-0004", final="Done.", finish="final_message")
+    assert score("ui-0004", claimed).reason == "settings state unchanged"
+
+
+def test_model_episode_through_the_openai_sdk_then_cli_verify(tmp_path: Path) -> None:
+    task = task_by_id()["ui-0003"]  # an ask-the-user shopping task
+    with ScriptedServer(server_policy(expert_policy(task, make_app(task).render()))) as server:
+        done = cli("agents.ui.run", "--task", task.id, "--out", str(tmp_path), env=endpoint(server.openai_base_url))
+    assert done.returncode == 0, done.stderr
+    assert verdict("ui", task.id, tmp_path).success
+    episode = read_episode(tmp_path)
+    assert [c.name for c in episode.calls] == ["ask_user", "tap", "tap"] and episode.finish == "final_message"
+    assert [t["function"]["name"] for t in server.requests[0]["tools"]] == ["tap", "type", "scroll", "back", "ask_user"]
+    assert server.requests[-1]["messages"] == episode.messages[:-1]  # the full history, echoed each turn
+
+
+def test_expert_cli_and_a_down_endpoint(tmp_path: Path) -> None:
+    assert cli("agents.ui.run", "--task", "ui-0009", "--out", str(tmp_path / "x"), "--expert").returncode == 0
+    assert score("ui-0009", read_episode(tmp_path / "x")).success
+    down = cli("agents.ui.run", "--task", "ui-0009", "--out", str(tmp_path / "d"), env=endpoint("http://127.0.0.1:9/v1"))
+    assert down.returncode == 1 and "APIConnectionError" in read_episode(tmp_path / "d").error
