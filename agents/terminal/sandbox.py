@@ -26,6 +26,7 @@ import ctypes
 import functools
 import os
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -213,8 +214,6 @@ class Sandbox:
 
 def _read_some(fd: int, timeout: float) -> bytes | None:
     """Up to 64 KiB from fd; b"" at EOF; None when nothing arrived within the timeout."""
-    import select
-
     ready, _, _ = select.select([fd], [], [], min(timeout, 0.5))
     if not ready:
         return None
