@@ -1,10 +1,10 @@
 """Built-in engine throughput: generated tokens/s at concurrency 1, 8 and 32 on the tiny model.
 
-    .venv/bin/python benchmarks/engine.py [--tokens 64] [--requests-per-client 4] [--threads 1]
+    .venv/bin/python benchmarks/engine.py [--tokens 64] [--seconds 8] [--threads 1]
 
 Builds the tiny model, starts `stepline engine` as its own process, and runs `c` clients that each
-send requests back to back (sampled, temperature 1, ignore_eos, `--tokens` new tokens each, a 32-token
-prompt). Prints tokens/s per concurrency side by side with the ratio to concurrency 1. Target: the
+send requests back to back for `--seconds` (sampled, temperature 1, ignore_eos, `--tokens` new tokens
+each, a 32-token prompt); tokens/s = tokens of all requests / time until the last one finished. Prints tokens/s per concurrency side by side with the ratio to concurrency 1. Target: the
 8-client figure is at least 4x the 1-client one (continuous batching, not serialisation).
 """
 
@@ -31,9 +31,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def client(http: httpx.AsyncClient, worker: int, requests: int, tokens: int) -> int:
-    generated = 0
-    for r in range(requests):
+async def client(http: httpx.AsyncClient, worker: int, deadline: float, tokens: int) -> int:
+    generated, r = 0, 0
+    while time.perf_counter() < deadline:
+        r += 1
         body = {"input_ids": [(worker * 97 + r * 13 + i) % 3000 + 10 for i in range(32)],
                 "sampling_params": {"max_new_tokens": tokens, "temperature": 1.0, "ignore_eos": True,
                                     "sampling_seed": worker * 1000 + r}}
@@ -43,12 +44,12 @@ async def client(http: httpx.AsyncClient, worker: int, requests: int, tokens: in
     return generated
 
 
-async def measure(url: str, concurrency: int, requests: int, tokens: int) -> float:
+async def measure(url: str, concurrency: int, seconds: float, tokens: int) -> float:
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        await client(http, 0, 1, 8)  # warm up
+        await client(http, 0, time.perf_counter() + 0.5, 8)  # warm up
         start = time.perf_counter()
-        counts = await asyncio.gather(*(client(http, w, requests, tokens) for w in range(concurrency)))
+        counts = await asyncio.gather(*(client(http, w, start + seconds, tokens) for w in range(concurrency)))
         return sum(counts) / (time.perf_counter() - start)
 
 
@@ -69,7 +70,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
-    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=8.0, help="how long each concurrency level runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the engine")
     args = parser.parse_args()
 
@@ -83,12 +84,12 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(url, proc)
-            rates = {c: asyncio.run(measure(url, c, args.requests_per_client, args.tokens)) for c in CONCURRENCY}
+            rates = {c: asyncio.run(measure(url, c, args.seconds, args.tokens)) for c in CONCURRENCY}
         finally:
             proc.terminate()
             proc.wait(timeout=30)
 
-    print(f"tiny model, {args.tokens} new tokens/request, {args.requests_per_client} requests/client, "
+    print(f"tiny model, {args.tokens} new tokens/request, {args.seconds:.0f} s per level, "
           f"engine torch threads {args.threads}")
     print(f"{'concurrency':>12} {'tokens/s':>10} {'vs c=1':>8}")
     for c, rate in rates.items():

@@ -49,8 +49,11 @@ def sample_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     greedy = temperature <= 0
     scale = torch.where(greedy, 1.0, temperature)[:, None]
     logprobs = torch.log_softmax(logits / scale, dim=-1)  # [B, V]
-    tokens = logits.argmax(dim=-1)
     truncated = (top_k > 0) | (top_p < 1.0)
+    if not bool(greedy.any() | truncated.any()):  # the common case: plain sampling for every row
+        tokens = _inverse_cdf(logprobs.exp(), u)
+        return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+    tokens = logits.argmax(dim=-1)
     plain = (~greedy & ~truncated).nonzero()[:, 0]
     if len(plain):
         tokens[plain] = _inverse_cdf(logprobs[plain].exp(), u[plain])
