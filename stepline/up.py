@@ -131,11 +131,11 @@ def up_command(model_dir: Path, port: int, engine_url: str | None, engine_kind: 
         if engine_url is None:
             engine_url, engine_kind = f"http://127.0.0.1:{free_port()}", "builtin"
             children.append(start("engine", ["engine", "--model", str(model_dir), "--port", engine_url.rsplit(":", 1)[1]], logs))
+        database = f"sqlite:///{(state_dir / 'pool.db').resolve()}"
         if pool_url is None and serve_pool:
             pool_url = f"http://127.0.0.1:{free_port()}"
-            children.append(start("pool", ["pool", "serve", "--db", str(state_dir / "pool.db"),
-                                           "--port", pool_url.rsplit(":", 1)[1]], logs))
-        pool_url = pool_url or f"sqlite:///{(state_dir / 'pool.db').resolve()}"
+            children.append(start("pool", ["pool", "serve", "--db", database, "--port", pool_url.rsplit(":", 1)[1]], logs))
+        pool_url = pool_url or database
         gateway_url = f"http://127.0.0.1:{port or free_port()}"
         children.append(start("gateway", ["gateway", "--engine", engine_url, "--engine-kind", engine_kind,
                                            "--model", str(model_dir), "--pool", pool_url,

@@ -115,6 +115,22 @@ class Transport:
         async with self.http.post(self.url + path, data=data, headers=JSON_HEADERS, timeout=limit) as resp:
             return resp.status, await resp.read()
 
+    async def get_json(self, path: str) -> Any:
+        """GET and decode JSON, errors translated (no retries: used once, at first use)."""
+        try:
+            async with self.http.get(self.url + path, timeout=self.timeout) as resp:
+                raw, status = await resp.read(), resp.status
+        except asyncio.TimeoutError as exc:
+            raise EngineTimeout(f"no answer from the engine within {self.timeout.total} s", self.url) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineUnavailable(f"engine unreachable: {exc!r}", self.url) from exc
+        if status >= 400:
+            raise error_from_status(status, raw, self.url)
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise EngineError(f"engine answered invalid JSON: {raw[:200]!r}", self.url) from exc
+
     async def get_ok(self, path: str, timeout: float = 2.0) -> bool:
         """True when GET path answers 2xx within `timeout` (health checks: no retries)."""
         try:

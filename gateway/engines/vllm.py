@@ -44,9 +44,11 @@ class VLLMEngine:
 
     async def _model_name(self) -> str:
         if self.model is None:
-            async with self.transport.http.get(self.url + "/v1/models", timeout=self.transport.timeout) as resp:
-                data = await resp.json()
-            self.model = str(data["data"][0]["id"])
+            data = await self.transport.get_json("/v1/models")
+            try:
+                self.model = str(data["data"][0]["id"])
+            except (KeyError, IndexError, TypeError) as exc:
+                raise EngineError(f"/v1/models lists no model: {data!r:.200}", self.url) from exc
         return self.model
 
     async def _request(self, input_ids: list[int], sampling: SamplingParams, stream: bool) -> dict[str, Any]:
