@@ -1,0 +1,96 @@
+"""The search and UI harnesses end to end through the real gateway, driven by the rollout driver and
+recording into a real SQLite pool: a scripted engine that plays the expert (each episode must score 1),
+and the built-in CPU engine serving the tiny random model (episodes complete and land in the pool
+with their rewards and groups)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer
+
+from agents.search.harness import play as search_play
+from agents.ui.harness import play as ui_play
+from datapool import open_pool
+from datapool.base import Pool
+from gateway.cli import running_gateway
+from gateway.config import GatewaySettings
+from gateway.testing import FakeEngine, Scripted
+from trainer.rollout import RolloutDriver
+from trainer.rollout_config import HarnessSpec, RolloutConfig
+from trainer.rollout_gateway import GatewayClient
+
+END = "<|im_end|>"
+EXPERTS = {"search": ("search-0004", search_play), "ui": ("ui-0003", ui_play)}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@asynccontextmanager
+async def gateway(model_dir: Path, engine_url: str, tmp_path: Path, kind: str) -> AsyncIterator[tuple[str, Pool]]:
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
+    try:
+        async with running_gateway(GatewaySettings(port=0, admin_token="adm"), [engine_url], model_dir, pool,
+                                   engine_kind=kind) as gw:
+            yield gw.url, pool
+    finally:
+        pool.close()
+
+
+def hermes_text(message: dict[str, Any]) -> str:
+    """What the model writes for one assistant message: text, or Hermes <tool_call> blocks."""
+    calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+             for c in message.get("tool_calls", [])]
+    return "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls) or message["content"]
+
+
+@pytest.mark.parametrize("harness", sorted(EXPERTS))
+async def test_expert_played_by_the_engine_through_the_gateway_scores_one(harness: str, tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    task_id, play = EXPERTS[harness]
+    texts = [hermes_text(m) for m in play(task_id, 4, expert=True).messages if m["role"] == "assistant"]
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    end = tok.token_to_id(END)
+    script = [Scripted(tok.encode(t, add_special_tokens=False).ids + [end], text=t) for t in texts]
+    engine = FakeEngine(script, eos_id=end, decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+    spec = HarnessSpec(name=harness, module=f"agents.{harness}", tasks=[task_id])
+    async with engine as engine_url, gateway(tiny_model_dir, engine_url, tmp_path, "sglang") as (url, pool):
+        async with GatewayClient(url, "adm") as client:
+            driver = RolloutDriver(RolloutConfig(harnesses=[spec], group_size=1), client, tmp_path / "w")
+            await driver.run(num_groups=1)
+        (result,) = driver.results
+        assert (result.status, result.reward) == ("completed", 1.0), result.reason
+        episode = pool.get_episode(result.session_id)
+        assert episode.info.harness == harness and episode.outcome == 1.0
+        assert len(episode.tree.calls) == len(texts)  # every model call of the episode was recorded
+
+
+async def test_tiny_model_episodes_of_both_harnesses_land_in_the_pool(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from stepline.engine.testing import running_engine
+
+    specs = [HarnessSpec(name=h, module=f"agents.{h}", tasks=[EXPERTS[h][0]], max_turns=2) for h in sorted(EXPERTS)]
+    config = RolloutConfig(harnesses=specs, group_size=1, episode_timeout_s=120)
+    with running_engine(tiny_model_dir) as engine_url:
+        async with gateway(tiny_model_dir, engine_url, tmp_path, "builtin") as (url, pool):
+            async with GatewayClient(url, "adm") as client:
+                driver = RolloutDriver(config, client, tmp_path / "w")
+                stats = await driver.run(num_groups=4)
+            assert {h: stats[h]["episodes"] for h in EXPERTS} == {"search": 2, "ui": 2}
+            for r in driver.results:
+                assert r.status == "completed", r.reason  # the random model's episode runs to its end
+                episode = pool.get_episode(r.session_id)
+                assert episode.outcome == r.reward and 1 <= len(episode.tree.calls) <= 2
+            groups = pool.claim_groups("test", min_version=0, max_groups=10, group_size=1)
+            # one group per draw; the driver's group ids start with task::harness
+            keys = sorted(g.episodes[0].info.group_key.rsplit("::", 1)[0] for g in groups)
+            assert keys == ["search-0004::search"] * 2 + ["ui-0003::ui"] * 2
