@@ -3,6 +3,8 @@ built-in engine, recording into a real SQLite pool, and ways to read back what g
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -57,11 +59,12 @@ class Served:
 
 
 @asynccontextmanager
-async def serve(model_dir: Path, engine_urls: list[str], tmp_path: Path, **settings: Any) -> AsyncIterator[Served]:
-    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
+async def serve(model_dir: Path, engine_urls: list[str], tmp_path: Path, engine_timeout: float = 60.0,
+                **settings: Any) -> AsyncIterator[Served]:
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}?synchronous=normal")
     config = GatewaySettings(port=0, admin_token="adm", **settings)
     try:
-        async with running_gateway(config, engine_urls, model_dir, pool) as gw:
+        async with running_gateway(config, engine_urls, model_dir, pool, engine_timeout=engine_timeout) as gw:
             yield Served(gw.url, gw, pool)
     finally:
         pool.close()
@@ -81,3 +84,40 @@ def scripted(tok: Tokenizer, text: str, close: bool = True) -> Scripted:
 def fake_engine(tok: Tokenizer, texts: list[str], **kwargs: Any) -> FakeEngine:
     return FakeEngine([scripted(tok, t) for t in texts], eos_id=tok.token_to_id(END),
                       decode=lambda ids: tok.decode(ids, skip_special_tokens=False), **kwargs)
+
+
+class ServedInThread:
+    """A FakeEngine + gateway on their own event loop in a thread, for synchronous tests (hypothesis)."""
+
+    def __init__(self, model_dir: Path, tmp_path: Path, **settings: Any) -> None:
+        self.model_dir, self.tmp_path, self.settings = model_dir, tmp_path, settings
+        self.ready = threading.Event()
+        self.served: Served | None = None
+        self.engine: FakeEngine | None = None
+
+    def __enter__(self) -> ServedInThread:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),), daemon=True)
+        self.thread.start()
+        if not self.ready.wait(60):
+            raise RuntimeError("the gateway did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(60)
+        self.loop.close()
+
+    async def _main(self) -> None:
+        self.stop = asyncio.Event()
+        tok = tokenizer(self.model_dir)
+        self.engine = FakeEngine(eos_id=tok.token_to_id(END), keep_requests=False,
+                                 decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+        async with self.engine as url, serve(self.model_dir, [url], self.tmp_path, **self.settings) as served:
+            self.served = served
+            self.ready.set()
+            await self.stop.wait()
+
+    def run(self, coro: Any) -> Any:
+        """Run a coroutine on the gateway's loop (e.g. `served.flush()`)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
