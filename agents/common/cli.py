@@ -1,7 +1,7 @@
 """The three commands every harness offers (the harness contract, see agents/README.md).
 
     python -m agents.<name>.tasks  --split train|test           -> JSON list of task ids
-    python -m agents.<name>.run    --task ID --out DIR [--max-turns K] [--expert]
+    python -m agents.<name>.run    --task ID --out DIR [--max-turns K] [--max-tokens N] [--expert]
                                                                 -> DIR/episode.json; exit 1 if it broke
     python -m agents.<name>.verify --task ID --out DIR          -> one JSON line {"reward","success","reason"}
 
@@ -49,20 +49,22 @@ def tasks_command(split_ids: Callable[[str], list[str]]) -> click.Command:
 
 
 def run_command(
-    harness: str, play: Callable[[str, int, bool], Episode], known: Callable[[str], bool], default_max_turns: int
+    harness: str, play: Callable[[str, int, int, bool], Episode], known: Callable[[str], bool], default_max_turns: int
 ) -> click.Command:
-    """`play(task_id, max_turns, expert) -> Episode`; writes DIR/episode.json, exits 1 when the episode broke."""
+    """`play(task_id, max_turns, max_tokens, expert) -> Episode`; writes DIR/episode.json, exits 1 when it broke."""
 
     @click.command()
     @click.option("--task", "task_id", required=True, help="task id (see the tasks command)")
     @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
     @click.option("--max-turns", type=click.IntRange(1, 64), default=default_max_turns, show_default=True)
+    @click.option("--max-tokens", type=click.IntRange(1, 4096), default=128, show_default=True,
+                  help="max_tokens of each model call")
     @click.option("--expert", is_flag=True, help="play the scripted solver instead of asking a model")
-    def run(task_id: str, out_dir: Path, max_turns: int, expert: bool) -> None:
+    def run(task_id: str, out_dir: Path, max_turns: int, max_tokens: int, expert: bool) -> None:
         if not known(task_id):
             raise click.BadParameter(f"unknown task {task_id!r}", param_hint="--task")
         try:
-            episode = play(task_id, max_turns, expert)
+            episode = play(task_id, max_turns, max_tokens, expert)
         except Exception as exc:  # the process edge: a harness bug still leaves a scorable (0) episode
             traceback.print_exc()
             episode = Episode(harness=harness, task_id=task_id, expert=expert, finish="error",

@@ -59,11 +59,11 @@ def final_turn(text: str) -> Turn:
 class OpenAIPolicy:
     """Asks an OpenAI-compatible endpoint (OPENAI_BASE_URL / OPENAI_API_KEY) for each turn."""
 
-    def __init__(self, tools: list[Tool], *, max_tokens: int = 256, client: openai.OpenAI | None = None):
+    def __init__(self, tools: list[Tool], *, max_tokens: int = 128, client: openai.OpenAI | None = None):
         self.client = client
         self.model = os.environ.get("OPENAI_MODEL", "policy")
         self.tools = [openai_schema(tool) for tool in tools]
-        self.max_tokens = max_tokens
+        self.max_tokens = max_tokens  # a tool call here is ~30 tokens; a small cap keeps a rambling policy cheap
 
     def _client(self) -> openai.OpenAI:
         import openai  # here, so expert runs and verifiers start without the SDK

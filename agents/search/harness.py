@@ -58,9 +58,9 @@ def expert_policy(task: Task):
     return policy
 
 
-def play(task_id: str, max_turns: int, expert: bool) -> Episode:
+def play(task_id: str, max_turns: int, max_tokens: int = 128, expert: bool = False) -> Episode:
     task = task_by_id()[task_id]
-    policy = expert_policy(task) if expert else OpenAIPolicy(TOOLS)
+    policy = expert_policy(task) if expert else OpenAIPolicy(TOOLS, max_tokens=max_tokens)
     episode = Episode(harness=NAME, task_id=task_id, expert=expert, model="" if expert else policy.model)
     return run_episode(policy, episode, system=SYSTEM, user=task.question, tools=TOOLS, max_turns=max_turns,
                        stop_tools=frozenset({"answer"}))

@@ -86,12 +86,12 @@ def expert_policy(task: Task, first_screen: str):
     return policy
 
 
-def play(task_id: str, max_turns: int, expert: bool) -> Episode:
+def play(task_id: str, max_turns: int, max_tokens: int = 128, expert: bool = False) -> Episode:
     task = task_by_id()[task_id]
     app = make_app(task)
     tools = make_tools(app, task)
     screen = app.render()
-    policy = expert_policy(task, screen) if expert else OpenAIPolicy(tools)
+    policy = expert_policy(task, screen) if expert else OpenAIPolicy(tools, max_tokens=max_tokens)
     episode = Episode(harness=NAME, task_id=task_id, expert=expert, model="" if expert else policy.model)
     run_episode(policy, episode, system=SYSTEM, user=f"{task.instruction}\n\n{screen}", tools=tools, max_turns=max_turns)
     episode.state = {"app": task.app, "data": app.data, "screen": app.render()}

@@ -89,7 +89,7 @@ def test_model_episode_through_the_openai_sdk(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert verdict("search", task.id, tmp_path).success
     first, last = server.requests[0], server.requests[-1]
-    assert [t["function"]["name"] for t in first["tools"]] == ["search", "answer"]
+    assert [t["function"]["name"] for t in first["tools"]] == ["search", "answer"] and first["max_tokens"] == 128
     assert last["messages"][:4] == read_episode(tmp_path).messages[:4]  # the full history is echoed each turn
     assert [m["role"] for m in last["messages"]] == ["system", "user", "assistant", "tool", "assistant", "tool"]
 

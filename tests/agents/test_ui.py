@@ -115,12 +115,14 @@ def test_verifier_replays_actions_and_rejects_a_forged_state() -> None:
 def test_model_episode_through_the_openai_sdk_then_cli_verify(tmp_path: Path) -> None:
     task = task_by_id()["ui-0003"]  # an ask-the-user shopping task
     with ScriptedServer(server_policy(expert_policy(task, make_app(task).render()))) as server:
-        done = cli("agents.ui.run", "--task", task.id, "--out", str(tmp_path), env=endpoint(server.openai_base_url))
+        done = cli("agents.ui.run", "--task", task.id, "--out", str(tmp_path), "--max-tokens", "64",
+                   env=endpoint(server.openai_base_url))
     assert done.returncode == 0, done.stderr
     assert verdict("ui", task.id, tmp_path).success
     episode = read_episode(tmp_path)
     assert [c.name for c in episode.calls] == ["ask_user", "tap", "tap"] and episode.finish == "final_message"
     assert [t["function"]["name"] for t in server.requests[0]["tools"]] == ["tap", "type", "scroll", "back", "ask_user"]
+    assert {r["max_tokens"] for r in server.requests} == {64}
     assert server.requests[-1]["messages"] == episode.messages[:-1]  # the full history, echoed each turn
 
 
