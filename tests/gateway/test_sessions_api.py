@@ -1,0 +1,94 @@
+"""Sessions over HTTP: creation, the three ways a call is attributed, rewards and ends committed to
+the pool, and forks (a retry, an edited tool result, stripped reasoning under the strict option)
+recorded as calls that diverge exactly at the first differing token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+from gateway_helpers import fake_engine, serve, tokenizer
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+async def test_create_attribute_reward_end(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    tok = tokenizer(qwen3_model_dir)
+    async with fake_engine(tok, ["a", "b", "c", "d"]) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session(task="task-1", harness="search", group_id="g", metadata={"k": 1})
+        host = served.url
+        assert s["openai_base_url"] == f"{host}/s/{s['session_id']}/v1"
+        assert s["anthropic_base_url"] == f"{host}/s/{s['session_id']}"
+        other = await served.session()
+        async with httpx.AsyncClient(base_url=host) as c:
+            key = {"Authorization": f"Bearer {s['api_key']}"}
+            assert (await c.post(f"/s/{s['session_id']}/v1/chat/completions", json=CHAT, headers=key)).status_code == 200
+            assert (await c.post("/v1/chat/completions", json=CHAT, headers=key)).status_code == 200
+            msg = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+            assert (await c.post("/v1/messages", json=msg, headers={"x-api-key": s["api_key"]})).status_code == 200
+            assert (await c.post("/v1/chat/completions", json=CHAT, headers={"X-Session-Id": other["session_id"]})).status_code == 200
+            models = (await c.get("/v1/models")).json()
+            assert models["data"][0]["id"] == "stepline"
+            health = (await c.get("/health")).json()
+            assert health["status"] == "ok" and health["weight_version"] == 0
+            assert (await c.post(f"/sessions/{s['session_id']}/reward", json={"value": 0.5, "step": 1, "name": "tool"},
+                                 headers=key)).status_code == 200
+            assert (await c.post(f"/sessions/{s['session_id']}/reward", json={"value": 1.0}, headers=key)).status_code == 200
+            assert (await c.post(f"/sessions/{s['session_id']}/reward", json={"value": 1.0, "step": 7},
+                                 headers=key)).status_code == 400
+            assert (await c.post(f"/sessions/{s['session_id']}/end", json={"status": "completed"}, headers=key)).status_code == 200
+            # the end was acknowledged after the pool committed it and every call before it
+            episode = served.pool.get_episode(s["session_id"])
+            assert episode.info.status == "completed" and episode.info.group_key == "g"
+            assert episode.outcome == 1.0
+            assert sorted((r.step, r.name, r.value) for r in episode.rewards if r.step is not None) == [(1, "tool", 0.5)]
+            assert len(episode.tree.calls) == 3
+            assert len(served.pool.get_tree(other["session_id"]).calls) == 1
+            r = await c.post(f"/s/{s['session_id']}/v1/chat/completions", json=CHAT, headers=key)
+            assert r.status_code == 409  # an ended session takes no more calls
+
+
+async def test_forks_diverge_at_the_first_differing_token(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    tok = tokenizer(qwen3_model_dir)
+    call = '<tool_call>\n{"name": "get", "arguments": {"q": "x"}}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
+    async with fake_engine(tok, [call, call, "retry", "edited"]) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key=s["api_key"], max_retries=0)
+        history = [{"role": "user", "content": "go"}]
+        for result in ("alpha", "beta"):
+            m = (await client.chat.completions.create(model="m", messages=history, tools=tools)).choices[0].message
+            history += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": result}]
+        await client.chat.completions.create(model="m", messages=history[:3], tools=tools)  # a retry of call 1
+        edited = [*history[:2], {**history[2], "content": "omega"}, *history[3:]]
+        await client.chat.completions.create(model="m", messages=edited, tools=tools)
+        await client.close()
+        await served.flush()
+        (p0, o0), (p1, _), (p2, _), (p3, _) = served.calls(s["session_id"])
+        assert p2 == p1  # the retry repeats call 1's prompt exactly: siblings in the tree
+        opening = tok.encode("\n<|im_start|>user\n<tool_response>\n", add_special_tokens=False).ids
+        assert first_difference(p3, p1) == len(p0) + len(o0) + len(opening)  # at the edited result's first token
+
+
+async def test_strict_template_forks_where_reasoning_is_stripped(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    tok = tokenizer(qwen3_model_dir)
+    async with (fake_engine(tok, ["<think>\nhmm\n</think>\n\nHello", "Bye"]) as url,
+                serve(qwen3_model_dir, [url], tmp_path, strict_template=True) as served):
+        s = await served.session()
+        client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key=s["api_key"], max_retries=0)
+        history = [{"role": "user", "content": "hi"}]
+        m = (await client.chat.completions.create(model="m", messages=history)).choices[0].message
+        assert m.content == "Hello"
+        history += [{"role": "assistant", "content": m.content}, {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model="m", messages=history)
+        await client.close()
+        await served.flush()
+        (p0, o0), (p1, _) = served.calls(s["session_id"])
+        assert first_difference(p1, p0 + o0) == len(p0)  # the template drops the <think> the model wrote
+        assert o0[0] == tok.token_to_id("<think>")
