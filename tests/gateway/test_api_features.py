@@ -1,0 +1,90 @@
+"""Request options reach the engine and come back in each API's fields: n choices (each its own
+record), logprobs, stop / seed / temperature / top_p / max_tokens, usage in streams, Completions with
+text and token-id prompts, Responses' previous_response_id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+from gateway_helpers import fake_engine, scripted, serve, tokenizer
+
+from gateway.testing import Scripted
+
+
+async def test_sampling_options_n_and_logprobs(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    tok = tokenizer(qwen3_model_dir)
+    engine = fake_engine(tok, ["one", "two"])
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key=s["api_key"], max_retries=0)
+        r = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], n=2, temperature=0.5, top_p=0.9, seed=7,
+            max_completion_tokens=5, stop=["\n\n"], logprobs=True, top_logprobs=3)
+        await client.close()
+        assert [c.message.content for c in r.choices] == ["one", "two"]
+        sent = [body["sampling_params"] for _, body in engine.requests]
+        assert sorted(p["sampling_seed"] for p in sent) == [7, 8]  # each choice its own reproducible seed
+        assert {(p["temperature"], p["top_p"], p["max_new_tokens"], tuple(p["stop"])) for p in sent} == {(0.5, 0.9, 5, ("\n\n",))}
+        one = scripted(tok, "one")
+        first = r.choices[0].logprobs.content
+        assert [t.token for t in first] == [tok.decode([i], skip_special_tokens=False) for i in one.output_ids]
+        assert [t.logprob for t in first] == [-(k + 1) / 100 for k in range(len(one.output_ids))]  # FakeEngine's
+        assert [[x.token for x in t.top_logprobs] for t in first] == [[t.token] for t in first]  # only the sampled one
+        assert r.usage.completion_tokens == 2 * len(one.output_ids)
+        await served.flush()
+        calls = served.calls(s["session_id"])
+        assert [o for _, o in calls] == [one.output_ids, scripted(tok, "two").output_ids]
+        assert calls[0][0] == calls[1][0]
+
+
+async def test_stream_usage_and_finish_reason_length(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    tok = tokenizer(qwen3_model_dir)
+    async with fake_engine(tok, ["a b c d e f"]) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key=s["api_key"], max_retries=0)
+        chunks = [c async for c in await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
+            stream_options={"include_usage": True})]
+        await client.close()
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finish == ["length"]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+async def test_completions_text_and_ids(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    tok = tokenizer(qwen3_model_dir)
+    answer = tok.encode(" there was", add_special_tokens=False).ids
+    engine = fake_engine(tok, [])
+    engine.queue.extend([Scripted(answer, text=" there was"), Scripted(answer, text=" there was"),
+                         Scripted(answer, text=" there was")])
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key=s["api_key"], max_retries=0)
+        r = await client.completions.create(model="m", prompt="Once upon a time", max_tokens=4)
+        assert r.choices[0].text == " there was" and r.choices[0].finish_reason == "stop"
+        r = await client.completions.create(model="m", prompt="Once upon a time there was a cat", max_tokens=4)
+        text = "".join([c.choices[0].text async for c in await client.completions.create(
+            model="m", prompt=[1, 2, 3], max_tokens=4, stream=True) if c.choices])
+        assert text == " there was"
+        await client.close()
+        await served.flush()
+        (p0, o0), (p1, _), (p2, _) = served.calls(s["session_id"])
+        assert p0 == tok.encode("Once upon a time", add_special_tokens=False).ids
+        assert p1 == p0 + o0 + tok.encode(" a cat", add_special_tokens=False).ids  # the model's own tokens kept
+        assert p2 == [1, 2, 3]
+
+
+async def test_responses_previous_response_id(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    tok = tokenizer(qwen3_model_dir)
+    async with fake_engine(tok, ["First.", "Second."]) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key=s["api_key"], max_retries=0)
+        r1 = await client.responses.create(model="m", input="hi", instructions="Be brief.")
+        r2 = await client.responses.create(model="m", input="more", previous_response_id=r1.id, instructions="Be brief.")
+        assert (r1.output_text, r2.output_text) == ("First.", "Second.")
+        assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens
+        await client.close()
+        await served.flush()
+        (p0, o0), (p1, _) = served.calls(s["session_id"])
+        assert p1[: len(p0) + len(o0)] == p0 + o0
