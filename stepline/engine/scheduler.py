@@ -64,6 +64,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._kv: BatchCache | None = None
+        self._admitting: Sequence | None = None  # between the waiting queue and the batch
         self._thread = threading.Thread(target=self._loop, name="stepline-engine-scheduler", daemon=True)
         self._stopping = False
 
@@ -118,8 +119,11 @@ class Scheduler:
                         self._decode()
             except Exception as exc:  # a failing step must not hang its clients: fail them, keep serving
                 log.exception("engine step failed")
+                if self._admitting is not None:
+                    self._finish(self._admitting, {"type": "abort", "message": f"engine step failed: {exc!r}"})
                 self.abort(None, f"engine step failed: {exc!r}")
                 self._running, self._kv = [], None
+            self._admitting = None
 
     def _drain(self, block: bool) -> None:
         try:
@@ -147,7 +151,7 @@ class Scheduler:
     # ---- admission and decoding ------------------------------------------------------------
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running:
-            seq = self._waiting.popleft()
+            seq = self._admitting = self._waiting.popleft()
             if not seq.output_ids:
                 seq.weight_version = self.weight_version
                 seed = seq.spec.seed if seq.spec.seed is not None else random.getrandbits(63)

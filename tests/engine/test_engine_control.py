@@ -160,3 +160,18 @@ def test_bad_control_requests_are_400(client: httpx.Client, path: str, body: dic
     response = client.post(path, json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["message"]
+
+
+def test_a_failing_step_aborts_its_requests_and_the_engine_keeps_serving(
+        own: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stepline.engine.scheduler import Scheduler
+
+    def broken_decode(self: Scheduler) -> None:
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(Scheduler, "_decode", broken_decode)
+    failed = own.post("/generate", json=SEEDED).json()
+    assert failed["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "simulated kernel failure" in failed["meta_info"]["finish_reason"]["message"]
+    monkeypatch.undo()
+    assert len(seeded(own)["output_ids"]) == 10
