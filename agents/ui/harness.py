@@ -58,32 +58,37 @@ def find_id(screen: str, label: str) -> int | None:
     return None
 
 
-def expert_policy(task: Task, first_screen: str):
+class ExpertPolicy:
     """Follows the task's plan by reading the rendered screens; scrolls down to reach hidden items."""
-    goals, seen = list(task.plan), {"screen": first_screen, "reply": "", "turn": 0, "asked": False}
 
-    def policy(messages: list[dict[str, Any]]) -> Turn:
-        if messages[-1]["role"] == "tool":
-            seen["reply" if seen["asked"] else "screen"] = messages[-1]["content"]
-        turn, seen["asked"] = seen["turn"], False
-        seen["turn"] += 1
-        if not goals:
+    def __init__(self, task: Task, first_screen: str):
+        self.goals = list(task.plan)
+        self.screen, self.reply = first_screen, ""  # the last screen seen; the user's last answer
+        self.turn, self.asked = 0, False
+
+    def __call__(self, messages: list[dict[str, Any]]) -> Turn:
+        if messages[-1]["role"] == "tool":  # ask_user answers with the user's words, every other tool with a screen
+            if self.asked:
+                self.reply = messages[-1]["content"]
+            else:
+                self.screen = messages[-1]["content"]
+        turn, self.asked = self.turn, False
+        self.turn += 1
+        if not self.goals:
             return final_turn("Done.")
-        action, *args = goals[0]
+        action, *args = self.goals[0]
         if action == "ask":
-            goals.pop(0)
-            seen["asked"] = True
+            self.goals.pop(0)
+            self.asked = True
             return tool_turn("ask_user", turn, question=args[0])
-        node_id = find_id(seen["screen"], args[0].replace("{reply}", seen["reply"]))
+        node_id = find_id(self.screen, args[0].replace("{reply}", self.reply))
         if node_id is None:
-            more = "(more below)" in seen["screen"]
+            more = "(more below)" in self.screen
             return tool_turn("scroll", turn, direction="down") if more else final_turn("I could not do it.")
-        goals.pop(0)
+        self.goals.pop(0)
         if action == "tap":
             return tool_turn("tap", turn, id=node_id)
-        return tool_turn("type", turn, id=node_id, text=args[1].replace("{reply}", seen["reply"]))
-
-    return policy
+        return tool_turn("type", turn, id=node_id, text=args[1].replace("{reply}", self.reply))
 
 
 def play(task_id: str, max_turns: int, max_tokens: int = 128, expert: bool = False) -> Episode:
@@ -91,7 +96,7 @@ def play(task_id: str, max_turns: int, max_tokens: int = 128, expert: bool = Fal
     app = make_app(task)
     tools = make_tools(app, task)
     screen = app.render()
-    policy = expert_policy(task, screen) if expert else OpenAIPolicy(tools, max_tokens=max_tokens)
+    policy = ExpertPolicy(task, screen) if expert else OpenAIPolicy(tools, max_tokens=max_tokens)
     episode = Episode(harness=NAME, task_id=task_id, expert=expert, model="" if expert else policy.model)
     run_episode(policy, episode, system=SYSTEM, user=f"{task.instruction}\n\n{screen}", tools=tools, max_turns=max_turns)
     episode.state = {"app": task.app, "data": app.data, "screen": app.render()}

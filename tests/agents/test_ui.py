@@ -12,7 +12,7 @@ from harness_helpers import cli, endpoint, random_policy, server_policy, verdict
 from agents.common import Episode, ToolError, read_episode, run_episode
 from agents.common.scripted_server import ScriptedServer
 from agents.ui.apps import AlarmsApp, ContactsApp, ShoppingApp
-from agents.ui.harness import MAX_TURNS, SYSTEM, expert_policy, make_app, make_tools, play
+from agents.ui.harness import MAX_TURNS, SYSTEM, ExpertPolicy, make_app, make_tools, play
 from agents.ui.tasks import split_ids
 from agents.ui.verify import score
 from agents.ui.world import APP_ORDER, task_by_id, tasks
@@ -114,7 +114,7 @@ def test_verifier_replays_actions_and_rejects_a_forged_state() -> None:
 
 def test_model_episode_through_the_openai_sdk_then_cli_verify(tmp_path: Path) -> None:
     task = task_by_id()["ui-0003"]  # an ask-the-user shopping task
-    with ScriptedServer(server_policy(expert_policy(task, make_app(task).render()))) as server:
+    with ScriptedServer(server_policy(ExpertPolicy(task, make_app(task).render()))) as server:
         done = cli("agents.ui.run", "--task", task.id, "--out", str(tmp_path), "--max-tokens", "64",
                    env=endpoint(server.openai_base_url))
     assert done.returncode == 0, done.stderr
