@@ -5,7 +5,6 @@ from __future__ import annotations
 from functools import cache
 
 import bm25s
-import numpy as np
 
 from agents.search.world import passages
 
