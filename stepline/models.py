@@ -251,6 +251,9 @@ def _qwen3_tokenizer():
 def make_model_command(out: Path, kind: ModelKind, seed: int, hidden_size: int, num_layers: int,
                        num_heads: int, num_kv_heads: int) -> None:
     """Build a tiny random-weight model directory at OUT (nothing is downloaded)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     try:
         path = build_model(out, kind=kind, seed=seed, hidden_size=hidden_size, num_layers=num_layers,
                            num_heads=num_heads, num_kv_heads=num_kv_heads)

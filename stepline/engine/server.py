@@ -85,7 +85,7 @@ class _State:
 
 def _routes(app: FastAPI, st: _State) -> None:
     @app.post("/generate")
-    async def generate(req: GenerateRequest) -> Response:
+    async def generate(req: GenerateRequest, request: Request) -> Response:
         specs, is_batch = expand(req, st.vocab_size, st.context_length, st.tokenizer.encode,
                                  lambda: uuid.uuid4().hex)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -96,11 +96,13 @@ def _routes(app: FastAPI, st: _State) -> None:
         if req.stream:
             return StreamingResponse(_sse(st, req, seqs, events, started), media_type="text/event-stream")
         try:
-            for _ in seqs:
-                await events.get()  # one notification per sequence: its finish
+            await _until_finished(request, events, len(seqs))
         except asyncio.CancelledError:
             _abort_unfinished(st, seqs)
             raise
+        except _ClientGone:
+            _abort_unfinished(st, seqs)
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         results = [_result(st, req, s, len(s.output_ids), 0, started) for s in seqs]
         return _json(results if is_batch else results[0])
 
@@ -185,6 +187,22 @@ def _routes(app: FastAPI, st: _State) -> None:
     @app.get("/get_weight_version")
     async def get_weight_version() -> Response:
         return _json({"weight_version": st.scheduler.weight_version})
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before its result was ready (its sequences are aborted)."""
+
+
+async def _until_finished(request: Request, events: asyncio.Queue, count: int) -> None:
+    """Wait for `count` finish notifications (one per sequence), checking every second that the
+    client is still there, so an abandoned request stops holding a batch slot."""
+    while count:
+        try:
+            await asyncio.wait_for(events.get(), timeout=1.0)
+            count -= 1
+        except TimeoutError:
+            if await request.is_disconnected():
+                raise _ClientGone from None
 
 
 async def _sse(st: _State, req: GenerateRequest, seqs: list[Sequence], events: asyncio.Queue, started: float):

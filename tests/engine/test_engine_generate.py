@@ -163,3 +163,14 @@ def test_abort_request_by_rid(client: httpx.Client, engine_url: str) -> None:
     worker.join(timeout=30)
     assert box["result"]["meta_info"]["finish_reason"]["type"] == "abort"
     assert 0 < len(box["result"]["output_ids"]) < 3000
+
+
+def test_a_request_whose_client_left_is_aborted(client: httpx.Client, engine_url: str) -> None:
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4000}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{engine_url}/generate", json=body, timeout=0.5)
+    for _ in range(100):  # the engine checks for a gone client every second
+        if client.get("/model_info").json()["running_requests"] == 0:
+            break
+        threading.Event().wait(0.05)
+    assert client.get("/model_info").json()["running_requests"] == 0
