@@ -181,3 +181,45 @@ async def test_records_into_the_real_embedded_pool(tmp_path: Path) -> None:
     tree = pool.get_tree("s")
     assert sorted(tree.calls) == [0, 1]
     pool.close()
+
+
+async def test_pool_service_outage_loses_nothing(tmp_path: Path) -> None:
+    """The pool service goes away mid-session and comes back on the same port: every call arrives, in order."""
+    from aiohttp import web
+
+    from datapool import open_pool
+    from datapool.service import make_app
+
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+
+    async def serve(port: int) -> web.AppRunner:  # the service closes its database when it stops
+        runner = web.AppRunner(make_app(open_pool(url)))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner = await serve(0)
+    port = runner.addresses[0][1]
+    client = open_pool(f"http://127.0.0.1:{port}")
+    recorder = Recorder(client, flush_interval=0.001, max_backoff=0.2)
+    await recorder.start()
+    await recorder.create_session(SessionInfo("s", "task", "h"))
+    recorder.record_call(call("s", 0))
+    await recorder.flush()
+    await runner.cleanup()  # the service is down
+    for i in range(1, 4):
+        recorder.record_call(call("s", i))
+    for _ in range(100):  # the client retries for ~1.5 s itself before the recorder sees the outage
+        if recorder.pool_errors:
+            break
+        await asyncio.sleep(0.05)
+    assert recorder.pool_errors >= 1 and recorder.depth() == 3  # kept, not dropped
+    runner = await serve(port)
+    await recorder.end_session("s", "completed")
+    await recorder.aclose()
+    await runner.cleanup()
+    client.close()
+    database = open_pool(url)
+    assert sorted(database.get_tree("s").calls) == [0, 1, 2, 3]
+    assert database.get_session("s").status == "completed" and recorder.dropped == 0
+    database.close()
