@@ -71,10 +71,18 @@ def fingerprint(message: Message) -> bytes:
     return orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
 
 
-def chain(tools: list[dict] | None, messages: list[Message]) -> list[int]:
-    """h_0..h_n: hashes of the tools and each prefix of the messages."""
-    hashes = [hash(orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS))]
-    for message in messages:
+def chain(tools: list[dict] | None, messages: list[Message], known: tuple[list, list[int]] | None = None) -> list[int]:
+    """h_0..h_n: hashes of the tools and each prefix of the messages. `known` = (tools + messages, hashes)
+    of an earlier call: the prefix equal to it (compared as dicts, in C) is not fingerprinted again."""
+    head = hash(orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS))
+    hashes, start = [head], 0
+    if known is not None and known[1] and known[1][0] == head:
+        earlier, earlier_hashes = known
+        limit = min(len(earlier), len(messages))
+        while start < limit and messages[start] == earlier[start]:
+            start += 1
+        hashes = earlier_hashes[: start + 1]
+    for message in messages[start:]:
         hashes.append(hash((hashes[-1], fingerprint(message))))
     return hashes
 
@@ -89,11 +97,13 @@ class TokenState:
         self._prompts: OrderedDict[int, np.ndarray] = OrderedDict()  # h(messages) -> prompt ids
         self._turns: OrderedDict[int, np.ndarray] = OrderedDict()  # h(messages + answer) -> ids through the answer
         self._texts: OrderedDict[str, np.ndarray] = OrderedDict()  # strict: rendered text -> its ids
+        self._last: tuple[list, list[int]] | None = None  # the last call's messages and hash chain
 
     def prompt_for(self, messages: list[Message], tools: list[dict] | None) -> Prompt:
         if self.strict:
             return self._strict_prompt(messages, tools)
-        hashes = chain(tools, messages)
+        hashes = chain(tools, messages, self._last)
+        self._last = (list(messages), hashes)  # turn N+1 fingerprints only what follows these
         if (ids := self._prompts.get(hashes[-1])) is not None:
             return Prompt(ids, len(ids), hashes[-1])
         for k in range(len(messages), 0, -1):

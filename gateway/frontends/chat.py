@@ -273,9 +273,9 @@ class ChatEmitter:
 
 async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     session = core.session_for(request)
-    raw, data = await core.read_json(request)
+    raw = await request.read()
     try:
-        req = ChatRequest.model_validate(data)
+        req = ChatRequest.model_validate_json(raw)  # one pass in pydantic-core: parse and validate
     except ValidationError as exc:
         raise from_validation(exc) from None
     call = to_call(req, core.settings.max_n)

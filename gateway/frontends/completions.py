@@ -100,9 +100,9 @@ class Completions:
 
 async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     session = core.session_for(request)
-    raw, data = await core.read_json(request)
+    raw = await request.read()
     try:
-        req = CompletionRequest.model_validate(data)
+        req = CompletionRequest.model_validate_json(raw)  # one pass in pydantic-core: parse and validate
     except ValidationError as exc:
         raise from_validation(exc) from None
     if req.echo or req.suffix:

@@ -8,7 +8,6 @@ format, and hands one `CallRecord` per choice to `Core.record` (which never wait
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
@@ -107,7 +106,7 @@ class Core:
         """One engine request per choice, concurrently; returns the generations and the weight version."""
         if not self.recorder.has_capacity():
             raise self._overloaded
-        ids = prompt_ids.tolist()
+        ids = prompt_ids  # int32 array: the adapters serialise it natively
         engine = None
         try:
             async with self.gate.admit() as version:
@@ -125,7 +124,7 @@ class Core:
         still get a proper error status (the SSE headers are not sent yet)."""
         if not self.recorder.has_capacity():
             raise self._overloaded
-        ids = prompt_ids.tolist()
+        ids = prompt_ids  # int32 array: the adapters serialise it natively
         admit = self.gate.admit()
         engine = None
         try:
@@ -171,7 +170,7 @@ class Core:
             weight_version=version,
             finish_reason=gen.finish_reason,
             api=api,
-            sampling=dataclasses.asdict(sampling),
+            sampling=sampling_dict(sampling),
             timings=timings,
             request=self._zstd.compress(request_body),
             response=self._zstd.compress(orjson.dumps(answer)),
@@ -259,6 +258,12 @@ async def _aclose(stream: Any) -> None:
     close = getattr(stream, "aclose", None)
     if close is not None:
         await close()
+
+
+def sampling_dict(s: SamplingParams) -> dict[str, Any]:
+    """The sampling parameters for the record (by hand: dataclasses.asdict deep-copies, on the hot path)."""
+    return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "stop": s.stop, "stop_token_ids": s.stop_token_ids, "seed": s.seed, "ignore_eos": s.ignore_eos}
 
 
 def now() -> float:

@@ -42,6 +42,10 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 def from_validation(exc: ValidationError) -> ApiError:
     """A 400 naming the first offending field (pydantic's location, dotted)."""
     first = exc.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return invalid(f"the body is not valid JSON: {first['msg']}")
+    if first["type"] in ("model_type", "model_attributes_type") and not first["loc"]:
+        return invalid("the body must be a JSON object")
     loc = ".".join(str(part) for part in first["loc"])
     return invalid(f"{loc}: {first['msg']}" if loc else first["msg"], param=loc or None)
 

@@ -255,9 +255,9 @@ class MessagesEmitter:
 
 async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     session = core.session_for(request)
-    raw, data = await core.read_json(request)
+    raw = await request.read()
     try:
-        req = MessagesRequest.model_validate(data)
+        req = MessagesRequest.model_validate_json(raw)  # one pass in pydantic-core: parse and validate
     except ValidationError as exc:
         raise from_validation(exc) from None
     call = to_call(req)

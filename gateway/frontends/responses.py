@@ -317,9 +317,9 @@ class ResponsesEmitter:
 
 async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     session = core.session_for(request)
-    raw, data = await core.read_json(request)
+    raw = await request.read()
     try:
-        req = ResponsesRequest.model_validate(data)
+        req = ResponsesRequest.model_validate_json(raw)  # one pass in pydantic-core: parse and validate
     except ValidationError as exc:
         raise from_validation(exc) from None
     call = to_call(req, session)
