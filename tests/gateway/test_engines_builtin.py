@@ -85,3 +85,16 @@ async def test_weight_update_through_the_gate(engine_url: str, tiny_model_dir: P
         with pytest.raises(Exception, match="not a directory"):
             await gate.update_weights(str(tmp_path / "missing"), 2)
         assert gate.version == 1
+
+
+async def test_incremental_streams_give_the_same_deltas(tiny_model_dir: Path, engine_url: str) -> None:
+    from stepline.engine.testing import running_engine
+
+    sampling = SamplingParams(max_new_tokens=5, seed=11, ignore_eos=True)
+    async with aiohttp.ClientSession() as http:
+        cumulative = [d async for d in make_engine(engine_url, "builtin", http, 60).stream(PROMPT, sampling)]
+        with running_engine(tiny_model_dir, incremental_streaming=True) as url:
+            incremental = [d async for d in make_engine(url, "builtin", http, 60).stream(PROMPT, sampling)]
+    assert [d.output_ids for d in incremental] == [d.output_ids for d in cumulative]
+    assert [d.text for d in incremental] == [d.text for d in cumulative]
+    assert incremental[-1].final.output_ids == cumulative[-1].final.output_ids
