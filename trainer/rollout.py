@@ -132,6 +132,7 @@ class RolloutDriver:
         self.results: list[EpisodeResult] = []
         self._slots = asyncio.Semaphore(config.max_concurrency)
         self._started = time.monotonic()
+        self._draw: _TaskDraw | None = None
 
     # --- one episode ---
 
@@ -231,7 +232,9 @@ class RolloutDriver:
     async def run(self, num_groups: int | None, stop: asyncio.Event | None = None) -> dict[str, dict[str, float]]:
         """Draw (harness by weight, then its next task) and run groups until num_groups are done or
         `stop` is set; at most max_concurrency episodes run at once. Returns per-harness stats."""
-        draw = _TaskDraw(self.config, await asyncio.to_thread(_all_tasks, self.config))
+        if self._draw is None:  # kept across calls: a second run() goes on with the next tasks
+            self._draw = _TaskDraw(self.config, await asyncio.to_thread(_all_tasks, self.config))
+        draw = self._draw
         in_flight: set[asyncio.Task[list[EpisodeResult]]] = set()
         width = max(1, self.config.max_concurrency // self.config.group_size) + 1
         launched = 0

@@ -1,0 +1,121 @@
+"""Expert demonstrations for the SFT warm start.
+
+Each harness's `--expert` mode plays a scripted solver through the same tools and writes the
+conversation it would have had with a model (`episode.json`: `messages` and `tools`, in the harness's
+own API format). Here those conversations become pool sessions, token for token as the gateway would
+have recorded them: the request is parsed by the gateway's own front end (OpenAI chat or Anthropic
+messages), prompts come from the gateway's token memory (`TokenState`, so turn N+1 reuses turn N's ids)
+and each assistant turn's ids are the template's rendering of it, closed by the end-of-turn token.
+The sessions are ended and rewarded by the harness's verifier, so the trainer's SFT mode takes them as
+ordinary groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from datapool.base import Pool
+from datapool.records import CallRecord, Reward, SessionInfo
+from gateway.frontends import chat, messages
+from gateway.templating import ChatTemplate
+from gateway.tito import TokenState
+from trainer.rollout import parse_verdict
+from trainer.rollout_config import HarnessSpec, list_tasks
+
+__all__ = ["demo_calls", "collect_demos"]
+
+Message = dict[str, Any]
+
+
+def _chat_call(episode: dict[str, Any]):
+    """The episode's conversation as the gateway's front end would see it (OpenAI or Anthropic form)."""
+    msgs, tools = episode["messages"], episode.get("tools") or None
+    if tools and "input_schema" in tools[0]:  # Anthropic: system is its own field
+        system = [m["content"] for m in msgs if m["role"] == "system"]
+        body = {"max_tokens": 1, "system": system[0] if system else None, "tools": tools,
+                "messages": [m for m in msgs if m["role"] != "system"]}
+        return messages.to_call(messages.MessagesRequest.model_validate(body))
+    return chat.to_call(chat.ChatRequest.model_validate({"model": "", "messages": msgs, "tools": tools}), max_n=1)
+
+
+def demo_calls(template: ChatTemplate, episode: dict[str, Any], session_id: str) -> list[CallRecord]:
+    """One CallRecord per assistant turn of the episode: the prompt the gateway would have sent and the
+    tokens the model would have had to sample to give exactly that answer."""
+    call = _chat_call(episode)
+    state = TokenState(template)
+    records: list[CallRecord] = []
+    for i, message in enumerate(call.messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = state.prompt_for(call.messages[:i], call.tools)
+        before = template.render(call.messages[:i], call.tools, add_generation_prompt=True)
+        after = template.render(call.messages[: i + 1], call.tools, add_generation_prompt=False)
+        if not after.startswith(before):
+            raise ValueError(f"{session_id}: the template rewrites history before turn {i}; cannot build a demo")
+        answer = after[len(before):]
+        answer = answer[: answer.index(template.eos_token) + len(template.eos_token)]
+        output = np.asarray(template.encode(answer), dtype=np.int32)
+        records.append(CallRecord(session_id=session_id, call_index=len(records), prompt_ids=prompt.ids,
+                                  output_ids=output, output_logprobs=np.zeros(len(output), dtype=np.float32),
+                                  weight_version=0, api=call.api, sampling={"temperature": 1.0}))
+        state.remember(prompt, message, output)
+    return records
+
+
+async def _expert_episode(spec: HarnessSpec, task_id: str, work: Path) -> tuple[dict[str, Any], float] | None:
+    """Run the harness's scripted expert on a task and score it with the harness's verifier."""
+    out = work / f"{spec.name}-{task_id}"
+    run = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", f"{spec.module}.run", "--task", task_id, "--out", str(out), "--expert",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    if await run.wait() != 0:
+        return None
+    verify = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", f"{spec.module}.verify", "--task", task_id, "--out", str(out),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    stdout, _ = await verify.communicate()
+    reward, _success, _reason = parse_verdict(stdout.decode())
+    return json.loads((out / "episode.json").read_text()), reward
+
+
+async def _gather(specs: list[HarnessSpec], per_harness: int, concurrency: int, work: Path):
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(spec: HarnessSpec, task_id: str):
+        async with gate:
+            return spec, task_id, await _expert_episode(spec, task_id, work)
+
+    jobs = [one(spec, task) for spec in specs
+            for task in (await asyncio.to_thread(list_tasks, spec, "train"))[:per_harness]]
+    return await asyncio.gather(*jobs)
+
+
+def collect_demos(pool: Pool, model_dir: Path, specs: list[HarnessSpec], per_harness: int,
+                  concurrency: int = 2) -> dict[str, int]:
+    """Run `per_harness` expert episodes of each module harness (train split) into `pool` as ended,
+    rewarded sessions (one group each). Returns demonstrations written per harness."""
+    template = ChatTemplate.from_model_dir(model_dir)
+    written = {spec.name: 0 for spec in specs}
+    with tempfile.TemporaryDirectory(prefix="stepline-demos-") as tmp:
+        results = asyncio.run(_gather([s for s in specs if s.module], per_harness, concurrency, Path(tmp)))
+    for spec, task_id, result in results:
+        if result is None:
+            continue
+        episode, reward = result
+        session_id = f"demo-{spec.name}-{task_id}-{uuid.uuid4().hex[:8]}"
+        pool.create_session(SessionInfo(session_id=session_id, task_id=task_id, harness=spec.name,
+                                        group_id=session_id, metadata={"demo": True}, created_at=time.time()))
+        pool.add_calls(demo_calls(template, episode, session_id))
+        pool.add_reward(Reward(session_id=session_id, value=reward, created_at=time.time()))
+        pool.end_session(session_id, "completed")
+        written[spec.name] += 1
+    return written

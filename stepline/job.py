@@ -1,0 +1,95 @@
+"""The job file of `stepline run`: one typed model per component, composed.
+
+    run_dir = "runs/quickstart"
+    [model]     how to build the base model (or `dir` of an existing one)
+    [sft]       warm start: expert demonstrations per harness, and [trainer] overrides for the SFT pass
+    [services]  ports and limits of the engine and the gateway this job starts
+    [trainer]   the RL trainer (`trainer.config.TrainerConfig`; model_dir/output_dir are filled in here)
+    [rollout]   the harness mix (`trainer.rollout_config.RolloutConfig`)
+    [eval]      the held-out evaluation before and after RL
+
+Relative paths are resolved against the job file's folder. Errors name the table and the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trainer.rollout_config import RolloutConfig
+
+__all__ = ["JobConfig", "JobError", "load_job"]
+
+
+class JobError(ValueError):
+    """The job file cannot be read or does not validate (the message names the field)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Section):
+    dir: Path | None = Field(None, description="use this model directory instead of building one")
+    kind: Literal["tiny", "qwen3-tiny"] = Field("tiny", description="tiny model to build (stepline make-model)")
+    seed: int = Field(0, description="seed of the random initialisation")
+    hidden_size: int = Field(128, ge=8, description="hidden width of the built model")
+    num_layers: int = Field(4, ge=1, description="transformer layers of the built model")
+    num_heads: int = Field(4, ge=1, description="attention heads of the built model")
+    num_kv_heads: int = Field(2, ge=1, description="key/value heads of the built model")
+
+
+class SFTSection(_Section):
+    demos_per_harness: int = Field(16, ge=0, description="expert demonstrations per harness (0: no warm start)")
+    trainer: dict[str, Any] = Field(default_factory=dict, description="TrainerConfig overrides for the SFT pass")
+
+
+class ServicesSection(_Section):
+    engine_url: str | None = Field(None, description="use this running engine instead of the built-in one")
+    engine_kind: Literal["builtin", "sglang", "vllm"] = Field("builtin", description="adapter for engine_url")
+    startup_timeout_s: float = Field(180.0, gt=0, description="seconds each service may take to become healthy")
+
+
+class EvalSection(_Section):
+    limit: int | None = Field(30, ge=1, description="test tasks per harness (None: the whole test split)")
+    every: int | None = Field(None, ge=1, description="also evaluate every k RL updates (None: before and after)")
+
+
+class JobConfig(_Section):
+    run_dir: Path = Field(Path("runs/job"), description="config, pool, metrics, checkpoints, plot and summary go here")
+    seed: int = Field(0, description="seed of the job (model, rollouts, trainer)")
+    rl_updates: int = Field(10, ge=0, description="policy updates of the RL phase")
+    groups_ahead: int = Field(1, ge=1, description="finished rollout batches that may wait for the trainer")
+    model: ModelSection = ModelSection()
+    sft: SFTSection = SFTSection()
+    services: ServicesSection = ServicesSection()
+    trainer: dict[str, Any] = Field(default_factory=dict, description="TrainerConfig fields for the RL phase")
+    rollout: RolloutConfig = RolloutConfig()
+    eval: EvalSection = EvalSection()
+
+
+def load_job(path: Path, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """Read, resolve relative paths against the file's folder, apply overrides (dotted keys), validate."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise JobError(f"cannot read job file {path}: {exc}") from exc
+    for dotted, value in (overrides or {}).items():
+        *parents, leaf = dotted.split(".")
+        table = raw
+        for key in parents:
+            table = table.setdefault(key, {})
+        table[leaf] = value
+    base = Path(path).resolve().parent
+    raw["run_dir"] = str(base / raw.get("run_dir", "runs/job"))
+    if raw.get("model", {}).get("dir"):
+        raw["model"]["dir"] = str(base / raw["model"]["dir"])
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        lines = [f"invalid job file {path}:"]
+        lines += [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
+        raise JobError("\n".join(lines)) from exc

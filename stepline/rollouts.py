@@ -1,0 +1,78 @@
+"""Rollouts in a background thread, paced against the trainer through the pool.
+
+The driver runs batches of `batch_groups` groups, one after another, and starts a new batch only while
+fewer than `ahead` batches' worth of finished groups wait unclaimed in the pool: with ahead=1 the next
+batch is rolled out while the trainer updates on the previous one (one-step off-policy; the trainer's
+staleness bound checks it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from datapool.base import Pool
+from trainer.rollout import RolloutDriver
+from trainer.rollout_config import RolloutConfig
+from trainer.rollout_gateway import GatewayClient
+
+__all__ = ["BackgroundRollouts"]
+
+
+class BackgroundRollouts:
+    def __init__(self, config: RolloutConfig, gateway_url: str, admin_token: str, work_dir: Path, pool: Pool,
+                 batch_groups: int, ahead: int) -> None:
+        self.config, self.gateway_url, self.admin_token = config, gateway_url, admin_token
+        self.work_dir, self.pool = Path(work_dir), pool
+        self.batch_groups, self.ahead = batch_groups, ahead
+        self.driver: RolloutDriver | None = None
+        self.history: list[dict[str, Any]] = []  # one row per finished episode, with its time
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="rollouts", daemon=True)
+        self._started = time.time()
+        self._baseline = 0  # groups the pool had taken before this run (a resumed job)
+
+    def start(self) -> None:
+        self._baseline = self._taken()
+        self._thread.start()
+
+    def stop(self, timeout: float = 120.0) -> None:
+        """Let the running batch finish (its episodes end properly), then return."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return self.driver.summary() if self.driver else {}
+
+    def _taken(self) -> int:
+        stats = self.pool.stats()
+        return stats["groups_claimed"] + stats["groups_consumed"] + stats["groups_stale"]
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._loop())
+        except BaseException as exc:  # reported by the runner; the trainer stops on idle
+            self.error = exc
+            raise
+
+    async def _loop(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        async with GatewayClient(self.gateway_url, self.admin_token) as gateway:
+            self.driver = RolloutDriver(self.config, gateway, self.work_dir)
+            batches = 0
+            while not self._stop.is_set():
+                waiting = batches * self.batch_groups - (await asyncio.to_thread(self._taken) - self._baseline)
+                if waiting >= self.ahead * self.batch_groups:
+                    await asyncio.sleep(0.2)
+                    continue
+                seen = len(self.driver.results)
+                await self.driver.run(self.batch_groups)
+                batches += 1
+                now = time.time() - self._started
+                self.history += [{**asdict(r), "t": now} for r in self.driver.results[seen:]]

@@ -1,0 +1,233 @@
+"""`stepline run JOB.toml`: the whole loop on one machine, the README's main command.
+
+    build the model → SFT warm start on expert demos → start engine + gateway → evaluate (before)
+    → RL: harnesses roll out through the gateway while the trainer updates and pushes weights
+    → evaluate (after) → plot + summary
+
+Every phase leaves its result in the run directory and is skipped when it is already there, so a job
+stopped with Ctrl-C starts again where it stopped (the trainer resumes from its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import tomllib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+
+from stepline.job import JobConfig, JobError, load_job
+
+__all__ = ["run_command", "run_job"]
+
+log = logging.getLogger("stepline.run")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def base_model(self) -> Path:
+        return self.root / "model-base"
+
+    @property
+    def sft(self) -> Path:
+        return self.root / "sft"
+
+    @property
+    def sft_model(self) -> Path:
+        return self.root / "model-sft"
+
+    @property
+    def rl(self) -> Path:
+        return self.root / "rl"
+
+    @property
+    def pool_db(self) -> Path:
+        return self.root / "pool.db"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def eval_file(self, tag: str) -> Path:
+        return self.root / "eval" / f"{tag}.json"
+
+
+def run_job(cfg: JobConfig) -> dict[str, Any]:
+    """The main job; returns the summary (also written to run_dir/summary.json)."""
+    run = RunDir(cfg.run_dir)
+    for path in (run.root, run.logs, run.root / "eval"):
+        path.mkdir(parents=True, exist_ok=True)
+    (run.root / "job.json").write_text(cfg.model_dump_json(indent=1))
+    base = build_base_model(cfg, run)
+    policy = warm_start(cfg, run, base)
+    token = secrets.token_urlsafe(16)
+    with services(cfg, run, policy, token) as gateway_url:
+        evaluate_once(cfg, run, gateway_url, token, "before")
+        train_rl(cfg, run, policy, gateway_url, token)
+        evaluate_once(cfg, run, gateway_url, token, f"after-{cfg.rl_updates}")
+    return write_summary(cfg, run)
+
+
+def build_base_model(cfg: JobConfig, run: RunDir) -> Path:
+    from stepline.models import build_model
+
+    if cfg.model.dir is not None:
+        return cfg.model.dir
+    if not (run.base_model / "config.json").is_file():
+        m = cfg.model
+        build_model(run.base_model, kind=m.kind, seed=m.seed, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                    num_heads=m.num_heads, num_kv_heads=m.num_kv_heads)
+    return run.base_model
+
+
+def warm_start(cfg: JobConfig, run: RunDir, base: Path) -> Path:
+    """SFT on expert demonstrations (cached in run_dir/model-sft); the base model when there are none."""
+    from datapool import open_pool
+    from stepline.demos import collect_demos
+    from trainer.config import TrainerConfig
+    from trainer.loop import train
+    from trainer.weight_sync import NoWeightSync
+
+    if cfg.sft.demos_per_harness == 0:
+        return base
+    if (run.sft_model / "config.json").is_file():
+        return run.sft_model
+    run.sft.mkdir(exist_ok=True)
+    pool = open_pool(f"sqlite:///{run.sft / 'demos.db'}")
+    try:
+        if not pool.stats()["sessions"]:
+            written = collect_demos(pool, base, cfg.rollout.harnesses, cfg.sft.demos_per_harness)
+            click.echo(f"expert demonstrations: {written}")
+        sft = TrainerConfig.model_validate({"seed": cfg.seed, "progress": False, **cfg.sft.trainer, "mode": "sft",
+                                            "model_dir": base, "output_dir": run.sft / "train"})
+        state = train(sft, pool, NoWeightSync(), offline=True)
+    finally:
+        pool.close()
+    latest = sorted((run.sft / "train" / "weights").glob("v[0-9]*"))
+    if not latest:
+        raise click.ClickException("the SFT pass trained nothing (no demonstrations?)")
+    latest[-1].rename(run.sft_model)
+    click.echo(f"SFT warm start: {state.update} updates → {run.sft_model}")
+    return run.sft_model
+
+
+@contextmanager
+def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[str]:
+    """The built-in engine (unless the job names one) and the gateway, as subprocesses; yields the gateway URL."""
+    from stepline.up import free_port, start, stop_all, wait_healthy
+
+    children = []
+    try:
+        engine_url, kind = cfg.services.engine_url, cfg.services.engine_kind
+        if engine_url is None:
+            engine_url, kind = f"http://127.0.0.1:{free_port()}", "builtin"
+            children.append(start("engine", ["engine", "--model", str(policy), "--port", engine_url.rsplit(":", 1)[1]],
+                                  run.logs))
+            wait_healthy(children[-1], engine_url, cfg.services.startup_timeout_s)
+        gateway_url = f"http://127.0.0.1:{free_port()}"
+        children.append(start("gateway", ["gateway", "--engine", engine_url, "--engine-kind", kind, "--model", str(policy),
+                                           "--pool", f"sqlite:///{run.pool_db}", "--port", gateway_url.rsplit(":", 1)[1],
+                                           "--admin-token", token], run.logs))
+        wait_healthy(children[-1], gateway_url, cfg.services.startup_timeout_s)
+        yield gateway_url
+    finally:
+        stop_all(children)
+
+
+def evaluate_once(cfg: JobConfig, run: RunDir, gateway_url: str, token: str, tag: str) -> dict[str, Any]:
+    """Success per harness on the test split through the policy the gateway serves now (cached by tag)."""
+    import asyncio
+
+    from trainer.evaluate import evaluate
+    from trainer.rollout import format_stats
+
+    path = run.eval_file(tag)
+    if path.is_file():
+        return json.loads(path.read_text())
+    click.echo(f"evaluating ({tag}) on the test split…")
+    report = asyncio.run(evaluate(cfg.rollout, gateway_url, token, "test", cfg.eval.limit))
+    path.write_text(json.dumps(report, indent=1))
+    click.echo(format_stats(report["harnesses"]))
+    return report
+
+
+def train_rl(cfg: JobConfig, run: RunDir, policy: Path, gateway_url: str, token: str) -> None:
+    """Rollouts in a background thread, the trainer in this one, until rl_updates updates are done."""
+    from datapool import open_pool
+    from stepline.progress import RLProgress
+    from stepline.rollouts import BackgroundRollouts
+    from trainer.config import TrainerConfig
+    from trainer.loop import train
+    from trainer.weight_sync import GatewayWeightSync
+
+    if cfg.rl_updates == 0:
+        return
+    tcfg = TrainerConfig.model_validate({"seed": cfg.seed, "checkpoint_every": 1, **cfg.trainer, "mode": "rl",
+                                         "progress": False, "model_dir": policy, "output_dir": run.rl,
+                                         "max_updates": cfg.rl_updates, "gateway_url": gateway_url,
+                                         "admin_token": token, "group_size": cfg.rollout.group_size})
+    pool = open_pool(f"sqlite:///{run.pool_db}")
+    sync = GatewayWeightSync(gateway_url, token)
+    rollouts = BackgroundRollouts(cfg.rollout, gateway_url, token, run.root / "episodes", pool,
+                                  batch_groups=tcfg.groups_per_update, ahead=cfg.groups_ahead)
+    try:
+        with RLProgress(run.rl / "metrics.jsonl", rollouts, cfg.rl_updates):
+            rollouts.start()
+            train(tcfg, pool, sync)
+    finally:
+        rollouts.stop()
+        (run.rl / "rollouts.json").write_text(json.dumps(rollouts.history, indent=1))
+        sync.close()
+        pool.close()
+
+
+def write_summary(cfg: JobConfig, run: RunDir) -> dict[str, Any]:
+    from stepline.report import plot_run, summarise
+
+    summary = summarise(run.root, cfg.rl_updates)
+    plot = plot_run(run.root, run.root / "progress.png")
+    summary["files"] = {
+        "config": str(run.root / "job.json"), "metrics_jsonl": str(run.rl / "metrics.jsonl"),
+        "tensorboard": str(run.rl / "tb"), "pool": str(run.pool_db), "checkpoints": str(run.rl / "checkpoints"),
+        "weights": str(run.rl / "weights"), "plot": str(plot), "logs": str(run.logs),
+    }
+    (run.root / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{pair!r}: expected key=value", param_hint="--set")
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = value  # a bare string
+    return out
+
+
+@click.command("run")
+@click.argument("job", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a job field, e.g. --set rl_updates=2 --set run_dir=runs/x (TOML values).")
+def run_command(job: Path, overrides: tuple[str, ...]) -> None:
+    """Run a whole job: model, SFT warm start, services, RL, evaluation, plot and summary."""
+    from stepline.report import format_summary
+
+    logging.basicConfig(level=os.environ.get("STEPLINE_LOG", "WARNING"))
+    try:
+        cfg = load_job(job, _overrides(overrides))
+    except JobError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(format_summary(run_job(cfg)))
