@@ -4,7 +4,8 @@
 
 Builds the tiny model, starts `stepline engine` as its own process, and runs `c` clients that each
 send requests back to back for `--seconds` (sampled, temperature 1, ignore_eos, `--tokens` new tokens
-each, a 32-token prompt); tokens/s = tokens of all requests / time until the last one finished. Prints tokens/s per concurrency side by side with the ratio to concurrency 1. Target: the
+each, a 32-token prompt); tokens/s = tokens of all requests / time until the last one finished.
+Prints tokens/s per concurrency side by side with the ratio to concurrency 1. Target: the
 8-client figure is at least 4x the 1-client one (continuous batching, not serialisation).
 """
 

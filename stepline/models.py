@@ -131,7 +131,8 @@ def tiny_corpus(lines: int = 4000, seed: int = 0) -> list[str]:
         elif kind == 2:
             out.append(f"$ {rng.choice(_COMMANDS)}\n{' '.join(words)}")
         elif kind == 3:
-            out.append(f"<tool_response>\n{_json({'result': ' '.join(words), 'score': rng.random()})}\n</tool_response>")
+            result = _json({"result": " ".join(words), "score": rng.random()})
+            out.append(f"<tool_response>\n{result}\n</tool_response>")
         else:
             out.append(f"<|im_start|>user\n{' '.join(words)}?<|im_end|>\n<|im_start|>assistant\n<think>\n"
                        f"{' '.join(reversed(words))}\n</think>\n\n{words[0]} {rng.randint(0, 100)}.<|im_end|>")
@@ -195,13 +196,15 @@ def _config(kind: ModelKind, tokenizer, hidden: int, layers: int, heads: int, kv
     from transformers import Qwen2Config, Qwen3Config
 
     if hidden % heads or heads % kv_heads:
-        raise ValueError(f"hidden_size {hidden} must divide by num_heads {heads}, which must divide by num_kv_heads {kv_heads}")
+        raise ValueError(f"hidden_size {hidden} must divide by num_heads {heads}, "
+                         f"which must divide by num_kv_heads {kv_heads}")
     # Round the embedding up to a multiple of 64 as Qwen does; the extra rows are never produced by the tokenizer.
     vocab = (len(tokenizer) + 63) // 64 * 64
     common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        tie_word_embeddings=True, initializer_range=init_std, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tie_word_embeddings=True, initializer_range=init_std,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None,
     )
     if kind == "tiny":

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 import torch
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
@@ -64,7 +64,7 @@ def create_app(model_dir: Path | str, *, incremental_streaming: bool = False, ma
     app.state.engine = state
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BadRequest, _bad_request)
-    _routes(app, state)
+    app.include_router(router)
     return app
 
 
@@ -83,110 +83,116 @@ class _State:
         return asyncio.wrap_future(self.scheduler.call(fn))
 
 
-def _routes(app: FastAPI, st: _State) -> None:
-    @app.post("/generate")
-    async def generate(req: GenerateRequest, request: Request) -> Response:
-        specs, is_batch = expand(req, st.vocab_size, st.context_length, st.tokenizer.encode,
-                                 lambda: uuid.uuid4().hex)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        seqs = [Sequence(spec, _notifier(loop, events, spec.index), stream=req.stream) for spec in specs]
-        started = time.perf_counter()
-        for seq in seqs:
-            st.scheduler.submit(seq)
-        if req.stream:
-            return StreamingResponse(_sse(st, req, seqs, events, started), media_type="text/event-stream")
+router = APIRouter()
+
+
+def _engine(request: Request) -> _State:
+    return request.app.state.engine
+
+
+@router.post("/generate")
+async def generate(req: GenerateRequest, request: Request, st: _State = Depends(_engine)) -> Response:
+    specs, is_batch = expand(req, st.vocab_size, st.context_length, st.tokenizer.encode,
+                             lambda: uuid.uuid4().hex)
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    seqs = [Sequence(spec, _notifier(loop, events, spec.index), stream=req.stream) for spec in specs]
+    started = time.perf_counter()
+    for seq in seqs:
+        st.scheduler.submit(seq)
+    if req.stream:
+        return StreamingResponse(_sse(st, req, seqs, events, started), media_type="text/event-stream")
+    try:
+        await _until_finished(request, events, len(seqs))
+    except asyncio.CancelledError:
+        _abort_unfinished(st, seqs)
+        raise
+    except _ClientGone:
+        _abort_unfinished(st, seqs)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    results = [_result(st, req, s, len(s.output_ids), 0, started) for s in seqs]
+    return _json(results if is_batch else results[0])
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(req: UpdateWeightsRequest, st: _State = Depends(_engine)) -> Response:
+    async with st.update_lock:
+        old = st.scheduler.model
         try:
-            await _until_finished(request, events, len(seqs))
-        except asyncio.CancelledError:
-            _abort_unfinished(st, seqs)
-            raise
-        except _ClientGone:
-            _abort_unfinished(st, seqs)
-            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-        results = [_result(st, req, s, len(s.output_ids), 0, started) for s in seqs]
-        return _json(results if is_batch else results[0])
+            if not Path(req.model_path).is_dir():
+                raise BadRequest(f"model_path {req.model_path!r} is not a directory")
+            new = await run_in_threadpool(load_model, req.model_path)
+            _check_compatible(old, new)
+        except Exception as exc:  # the edge: any load failure is the caller's path; old weights stay
+            return _json({"success": False, "message": f"Failed to load weights: {exc}"}, 400)
+        version = req.weight_version or _bump(st.scheduler.weight_version)
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(req: UpdateWeightsRequest) -> Response:
-        async with st.update_lock:
-            old = st.scheduler.model
-            try:
-                if not Path(req.model_path).is_dir():
-                    raise BadRequest(f"model_path {req.model_path!r} is not a directory")
-                new = await run_in_threadpool(load_model, req.model_path)
-                _check_compatible(old, new)
-            except Exception as exc:  # the edge: any load failure is the caller's path; old weights stay
-                return _json({"success": False, "message": f"Failed to load weights: {exc}"}, 400)
-            version = req.weight_version or _bump(st.scheduler.weight_version)
-
-            def swap() -> None:
-                if req.abort_all_requests:
-                    st.scheduler.abort(None, "aborted for a weight update")
-                st.scheduler.model, st.scheduler.weight_version = new, version
-
-            await st.control(swap)
-            st.model_path = req.model_path
-        return _json({"success": True, "message": "Succeeded to update model weights.",
-                      "num_paused_requests": 0, "weight_version": version})
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(req: UpdateWeightVersionRequest) -> Response:
-        def set_version() -> None:
+        def swap() -> None:
             if req.abort_all_requests:
-                st.scheduler.abort(None, "aborted for a weight version update")
-            st.scheduler.weight_version = req.new_version
+                st.scheduler.abort(None, "aborted for a weight update")
+            st.scheduler.model, st.scheduler.weight_version = new, version
 
-        await st.control(set_version)
-        return _json({"success": True, "message": "Weight version updated.", "weight_version": req.new_version})
+        await st.control(swap)
+        st.model_path = req.model_path
+    return _json({"success": True, "message": "Succeeded to update model weights.",
+                  "num_paused_requests": 0, "weight_version": version})
 
-    @app.post("/pause_generation")
-    async def pause_generation(req: PauseRequest | None = None) -> Response:
-        mode = (req or PauseRequest()).mode
+@router.post("/update_weight_version")
+async def update_weight_version(req: UpdateWeightVersionRequest, st: _State = Depends(_engine)) -> Response:
+    def set_version() -> None:
+        if req.abort_all_requests:
+            st.scheduler.abort(None, "aborted for a weight version update")
+        st.scheduler.weight_version = req.new_version
 
-        def pause() -> None:
-            st.scheduler.paused = True
-            if mode == "abort":
-                st.scheduler.abort(None, "aborted by pause_generation")
-            elif mode == "retract":
-                st.scheduler.retract()
+    await st.control(set_version)
+    return _json({"success": True, "message": "Weight version updated.", "weight_version": req.new_version})
 
-        await st.control(pause)
-        return _json({"success": True, "message": f"Generation paused ({mode})."})
+@router.post("/pause_generation")
+async def pause_generation(req: PauseRequest | None = None, st: _State = Depends(_engine)) -> Response:
+    mode = (req or PauseRequest()).mode
 
-    @app.post("/continue_generation")
-    async def continue_generation() -> Response:
-        await st.control(lambda: setattr(st.scheduler, "paused", False))
-        return _json({"success": True, "message": "Generation continued."})
+    def pause() -> None:
+        st.scheduler.paused = True
+        if mode == "abort":
+            st.scheduler.abort(None, "aborted by pause_generation")
+        elif mode == "retract":
+            st.scheduler.retract()
 
-    @app.post("/abort_request")
-    async def abort_request(req: AbortRequest) -> Response:
-        if not req.abort_all and not req.rid:
-            raise BadRequest("give rid or abort_all: true")
-        count = await st.control(lambda: st.scheduler.abort(None if req.abort_all else req.rid))
-        return _json({"success": True, "aborted": count})
+    await st.control(pause)
+    return _json({"success": True, "message": f"Generation paused ({mode})."})
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        return PlainTextResponse("Cache flushed.\n")  # no prefix cache to flush; running KV stays valid
+@router.post("/continue_generation")
+async def continue_generation(st: _State = Depends(_engine)) -> Response:
+    await st.control(lambda: setattr(st.scheduler, "paused", False))
+    return _json({"success": True, "message": "Generation continued."})
 
-    @app.get("/health")
-    @app.get("/health_generate")
-    async def health() -> Response:
-        return Response(status_code=200)
+@router.post("/abort_request")
+async def abort_request(req: AbortRequest, st: _State = Depends(_engine)) -> Response:
+    if not req.abort_all and not req.rid:
+        raise BadRequest("give rid or abort_all: true")
+    count = await st.control(lambda: st.scheduler.abort(None if req.abort_all else req.rid))
+    return _json({"success": True, "aborted": count})
 
-    @app.get("/model_info")
-    @app.get("/get_model_info")
-    async def model_info() -> Response:
-        running, waiting = st.scheduler.load
-        return _json({"model_path": st.model_path, "tokenizer_path": st.model_path, "is_generation": True,
-                      "weight_version": st.scheduler.weight_version, "vocab_size": st.vocab_size,
-                      "context_length": st.context_length, "paused": st.scheduler.paused,
-                      "running_requests": running, "waiting_requests": waiting,
-                      "eos_token_ids": sorted(st.scheduler.eos_token_ids)})
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache() -> Response:
+    return PlainTextResponse("Cache flushed.\n")  # no prefix cache to flush; running KV stays valid
 
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> Response:
-        return _json({"weight_version": st.scheduler.weight_version})
+@router.get("/health")
+@router.get("/health_generate")
+async def health() -> Response:
+    return Response(status_code=200)
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(st: _State = Depends(_engine)) -> Response:
+    running, waiting = st.scheduler.load
+    return _json({"model_path": st.model_path, "tokenizer_path": st.model_path, "is_generation": True,
+                  "weight_version": st.scheduler.weight_version, "vocab_size": st.vocab_size,
+                  "context_length": st.context_length, "paused": st.scheduler.paused,
+                  "running_requests": running, "waiting_requests": waiting,
+                  "eos_token_ids": sorted(st.scheduler.eos_token_ids)})
+
+@router.get("/get_weight_version")
+async def get_weight_version(st: _State = Depends(_engine)) -> Response:
+    return _json({"weight_version": st.scheduler.weight_version})
 
 
 class _ClientGone(Exception):
