@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,7 +67,9 @@ class Bench:
         self.http, self.gateway, self.engine, self.document = http, gateway, engine, document
 
     async def new_session(self, name: str) -> dict:
-        async with self.http.post(self.gateway + "/sessions", json={"task_id": name, "harness": "bench"}, headers=ADMIN) as r:
+        async with self.http.post(
+            self.gateway + "/sessions", json={"task_id": name, "harness": "bench"}, headers=ADMIN
+        ) as r:
             assert r.status == 201, await r.text()
             return await r.json()
 
@@ -78,8 +79,10 @@ class Bench:
             assert r.status == 200, await r.text()
 
     def first_messages(self) -> list[dict]:
-        return [{"role": "system", "content": "You are a careful assistant."},
-                {"role": "user", "content": f"Read this document.\n\n{self.document}\n\nTurn 0: summarise it."}]
+        return [
+            {"role": "system", "content": "You are a careful assistant."},
+            {"role": "user", "content": f"Read this document.\n\n{self.document}\n\nTurn 0: summarise it."},
+        ]
 
     async def chat(self, session: dict, messages: list[dict], stream: bool = False) -> tuple[str, float, float]:
         """One chat call: (answer text, seconds to the first content chunk, seconds in all)."""
@@ -105,10 +108,18 @@ class Bench:
             return "".join(text), (first or done) - start, done - start
 
     async def direct(self, ids: list[int], stream: bool = False) -> tuple[float, float]:
-        body = orjson.dumps({"input_ids": ids, "return_logprob": True, "stream": stream,
-                             "sampling_params": {"max_new_tokens": OUT_TOKENS, "temperature": 1.0}})
+        body = orjson.dumps(
+            {
+                "input_ids": ids,
+                "return_logprob": True,
+                "stream": stream,
+                "sampling_params": {"max_new_tokens": OUT_TOKENS, "temperature": 1.0},
+            }
+        )
         start = time.perf_counter()
-        async with self.http.post(self.engine + "/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+        async with self.http.post(
+            self.engine + "/generate", data=body, headers={"Content-Type": "application/json"}
+        ) as r:
             if not stream:
                 await r.read()
                 done = time.perf_counter()
@@ -120,15 +131,19 @@ class Bench:
             done = time.perf_counter()
             return first - start, done - start
 
-    async def conversation(self, session: dict, turns: int, stream: bool = False, on_turn=None) -> list[tuple[float, float]]:
+    async def conversation(
+        self, session: dict, turns: int, stream: bool = False, on_turn=None
+    ) -> list[tuple[float, float]]:
         messages, times = self.first_messages(), []
         for turn in range(turns):
             if on_turn is not None:
                 await on_turn(turn)
             text, first, total = await self.chat(session, messages, stream)
             times.append((first, total))
-            messages += [{"role": "assistant", "content": text},
-                         {"role": "user", "content": f"Turn {turn + 1}: go on with the next point, briefly."}]
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": f"Turn {turn + 1}: go on with the next point, briefly."},
+            ]
         return times
 
 
@@ -165,9 +180,15 @@ async def added_latency(bench: Bench, pool_url: str, turns: int, conversations: 
         via += times
     k = 0 if stream else 1  # first token (stream) or whole call
     added = [(g[k] - d[k]) * 1e3 for g, d in zip(via, direct)]
-    return {"gateway_p50": pct([g[k] * 1e3 for g in via], 50), "gateway_p99": pct([g[k] * 1e3 for g in via], 99),
-            "direct_p50": pct([d[k] * 1e3 for d in direct], 50), "direct_p99": pct([d[k] * 1e3 for d in direct], 99),
-            "added_p50": pct(added, 50), "added_p99": pct(added, 99), "calls": len(added)}
+    return {
+        "gateway_p50": pct([g[k] * 1e3 for g in via], 50),
+        "gateway_p99": pct([g[k] * 1e3 for g in via], 99),
+        "direct_p50": pct([d[k] * 1e3 for d in direct], 50),
+        "direct_p99": pct([d[k] * 1e3 for d in direct], 99),
+        "added_p50": pct(added, 50),
+        "added_p99": pct(added, 99),
+        "calls": len(added),
+    }
 
 
 async def throughput(bench: Bench, gateway_pid: int, sessions: int, turns: int) -> dict:
@@ -181,8 +202,13 @@ async def throughput(bench: Bench, gateway_pid: int, sessions: int, turns: int) 
     elapsed = time.perf_counter() - start
     await asyncio.sleep(0.2)  # the recorder writes the last calls
     cpu, loop = (cpu_ns(gateway_pid) - cpu0) / 1e9, (cpu_ns(gateway_pid, main_only=True) - loop0) / 1e9
-    return {"calls": calls, "seconds": elapsed, "calls_per_s": calls / elapsed,
-            "gateway_cpu_ms_per_call": cpu / calls * 1e3, "event_loop_cpu_ms_per_call": loop / calls * 1e3}
+    return {
+        "calls": calls,
+        "seconds": elapsed,
+        "calls_per_s": calls / elapsed,
+        "gateway_cpu_ms_per_call": cpu / calls * 1e3,
+        "event_loop_cpu_ms_per_call": loop / calls * 1e3,
+    }
 
 
 async def cpu_by_turn(bench: Bench, gateway_pid: int, sessions: int, turns: int) -> dict[int, float]:
@@ -206,12 +232,44 @@ async def cpu_by_turn(bench: Bench, gateway_pid: int, sessions: int, turns: int)
 
 def start_services(model_dir: Path, pool_url: str) -> tuple[subprocess.Popen, subprocess.Popen, str, str]:
     engine_port, gateway_port = free_port(), free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "gateway.testing", "--port", str(engine_port),
-                               "--tokens", str(OUT_TOKENS), "--eos", str(EOS)], stdout=subprocess.DEVNULL)
-    gateway = subprocess.Popen([sys.executable, "-m", "stepline.cli", "gateway", "--engine", f"http://127.0.0.1:{engine_port}",
-                                "--engine-kind", "sglang", "--model", str(model_dir), "--pool", pool_url,
-                                "--port", str(gateway_port), "--admin-token", "bench", "--context-length", "32768"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    engine = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway.testing",
+            "--port",
+            str(engine_port),
+            "--tokens",
+            str(OUT_TOKENS),
+            "--eos",
+            str(EOS),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    gateway = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stepline.cli",
+            "gateway",
+            "--engine",
+            f"http://127.0.0.1:{engine_port}",
+            "--engine-kind",
+            "sglang",
+            "--model",
+            str(model_dir),
+            "--pool",
+            pool_url,
+            "--port",
+            str(gateway_port),
+            "--admin-token",
+            "bench",
+            "--context-length",
+            "32768",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return engine, gateway, f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
 
 
@@ -269,23 +327,34 @@ def report(r: dict, args: argparse.Namespace) -> None:
         ("TTFT p50 (ms, stream)", ttft["direct_p50"], ttft["gateway_p50"], ttft["added_p50"], TARGETS["ttft_added_ms"]),
         ("TTFT p99 (ms, stream)", ttft["direct_p99"], ttft["gateway_p99"], ttft["added_p99"], None),
     ]
-    print(f"\ngateway benchmark: {args.context}-token document, {args.turns}-turn conversations, "
-          f"{OUT_TOKENS} tokens per answer, fake engine, SQLite pool; {os.cpu_count()} CPUs\n")
+    print(
+        f"\ngateway benchmark: {args.context}-token document, {args.turns}-turn conversations, "
+        f"{OUT_TOKENS} tokens per answer, fake engine, SQLite pool; {os.cpu_count()} CPUs\n"
+    )
     print(f"{'':26}{'direct':>10}{'gateway':>10}{'added':>10}{'target':>10}")
     for name, d, g, a, target in rows:
         print(f"{name:26}{d:10.2f}{g:10.2f}{a:10.2f}{(f'<= {target:g}' if target else ''):>10}")
-    print(f"\nthroughput, {args.sessions} sessions: {tp['calls_per_s']:.0f} calls/s ({tp['calls']} calls in "
-          f"{tp['seconds']:.1f} s; target >= {TARGETS['calls_per_s']:g}); gateway CPU {tp['gateway_cpu_ms_per_call']:.2f} ms/call "
-          f"(event loop {tp['event_loop_cpu_ms_per_call']:.2f}, recorder + pool {tp['gateway_cpu_ms_per_call'] - tp['event_loop_cpu_ms_per_call']:.2f}) "
-          f"-> at most {1e3 / tp['event_loop_cpu_ms_per_call']:.0f} calls/s from its event loop")
-    print(f"gateway CPU per call: turn 1 {cpu[1]:.2f} ms, turn 20 {cpu[20]:.2f} ms, turn 40 {cpu[40]:.2f} ms; "
-          f"ratio 40/1 = {ratio:.2f} (target <= {TARGETS['cpu_ratio']:g})")
-    misses = [name for name, ok in [
-        ("p50 added latency", lat["added_p50"] <= TARGETS["p50_added_ms"]),
-        ("throughput", tp["calls_per_s"] >= TARGETS["calls_per_s"]),
-        ("CPU ratio", ratio <= TARGETS["cpu_ratio"]),
-        ("TTFT added", ttft["added_p50"] <= TARGETS["ttft_added_ms"]),
-    ] if not ok]
+    total, loop = tp["gateway_cpu_ms_per_call"], tp["event_loop_cpu_ms_per_call"]
+    print(
+        f"\nthroughput, {args.sessions} sessions: {tp['calls_per_s']:.0f} calls/s ({tp['calls']} calls in "
+        f"{tp['seconds']:.1f} s; target >= {TARGETS['calls_per_s']:g}); gateway CPU {total:.2f} ms/call "
+        f"(event loop {loop:.2f}, recorder + pool {total - loop:.2f}) "
+        f"-> at most {1e3 / loop:.0f} calls/s from its event loop"
+    )
+    print(
+        f"gateway CPU per call: turn 1 {cpu[1]:.2f} ms, turn 20 {cpu[20]:.2f} ms, turn 40 {cpu[40]:.2f} ms; "
+        f"ratio 40/1 = {ratio:.2f} (target <= {TARGETS['cpu_ratio']:g})"
+    )
+    misses = [
+        name
+        for name, ok in [
+            ("p50 added latency", lat["added_p50"] <= TARGETS["p50_added_ms"]),
+            ("throughput", tp["calls_per_s"] >= TARGETS["calls_per_s"]),
+            ("CPU ratio", ratio <= TARGETS["cpu_ratio"]),
+            ("TTFT added", ttft["added_p50"] <= TARGETS["ttft_added_ms"]),
+        ]
+        if not ok
+    ]
     print("targets: " + ("all met" if not misses else "MISSED " + ", ".join(misses)))
 
 

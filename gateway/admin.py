@@ -45,7 +45,9 @@ def is_admin(request: web.Request, admin_token: str | None) -> bool:
 def admin_routes(gate: WeightGate, admin_token: str | None) -> list[web.RouteDef]:
     async def update_weights(request: web.Request) -> web.Response:
         if not is_admin(request, admin_token):
-            return _error(401, "admin endpoints need the admin token (Authorization: Bearer <token>)", "authentication_error")
+            return _error(
+                401, "admin endpoints need the admin token (Authorization: Bearer <token>)", "authentication_error"
+            )
         try:
             body = UpdateWeightsRequest.model_validate_json(await request.read())
         except ValidationError as exc:
@@ -61,9 +63,16 @@ def admin_routes(gate: WeightGate, admin_token: str | None) -> list[web.RouteDef
 
     async def weights(request: web.Request) -> web.Response:
         if not is_admin(request, admin_token):
-            return _error(401, "admin endpoints need the admin token (Authorization: Bearer <token>)", "authentication_error")
-        state = {"weight_version": gate.version, "path": gate.path, "updating": gate.updating,
-                 "in_flight": gate.in_flight, "last_error": gate.last_error}
+            return _error(
+                401, "admin endpoints need the admin token (Authorization: Bearer <token>)", "authentication_error"
+            )
+        state = {
+            "weight_version": gate.version,
+            "path": gate.path,
+            "updating": gate.updating,
+            "in_flight": gate.in_flight,
+            "last_error": gate.last_error,
+        }
         return web.Response(body=orjson.dumps(state), content_type="application/json")
 
     return [web.post("/admin/update_weights", update_weights), web.get("/admin/weights", weights)]

@@ -84,34 +84,75 @@ async def running_gateway(
 
 @click.command("gateway")
 @click.option("--engine", "engines", multiple=True, required=True, help="Engine base URL (repeat for several).")
-@click.option("--engine-kind", type=click.Choice(ENGINE_KINDS), default="builtin", show_default=True,
-              help="Wire format of the engines: builtin and sglang speak /generate, vllm /v1/completions.")
-@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Model directory: its tokenizer and chat template render the prompts.")
-@click.option("--pool", "pool_url", required=True,
-              help="Data pool: sqlite:///path.db, postgresql://..., or http://host:port (stepline pool serve).")
+@click.option(
+    "--engine-kind",
+    type=click.Choice(ENGINE_KINDS),
+    default="builtin",
+    show_default=True,
+    help="Wire format of the engines: builtin and sglang speak /generate, vllm /v1/completions.",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Model directory: its tokenizer and chat template render the prompts.",
+)
+@click.option(
+    "--pool",
+    "pool_url",
+    required=True,
+    help="Data pool: sqlite:///path.db, postgresql://..., or http://host:port (stepline pool serve).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--admin-token", default=lambda: os.environ.get("STEPLINE_ADMIN_TOKEN"),
-              help="Token for /admin/* and POST /sessions [env STEPLINE_ADMIN_TOKEN]; none: open to anyone.")
+@click.option(
+    "--admin-token",
+    default=lambda: os.environ.get("STEPLINE_ADMIN_TOKEN"),
+    help="Token for /admin/* and POST /sessions [env STEPLINE_ADMIN_TOKEN]; none: open to anyone.",
+)
 @click.option("--public-url", default=None, help="Base URL handed to harnesses (default: from each request's Host).")
 @click.option("--model-name", default="stepline", show_default=True, help="Model id served on /v1/models.")
-@click.option("--context-length", default=None, type=click.IntRange(min=1),
-              help="Prompt + output token limit (default: the model's max_position_embeddings).")
-@click.option("--strict-template", is_flag=True, help="Render every turn with the template (fork where it rewrites history).")
+@click.option(
+    "--context-length",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Prompt + output token limit (default: the model's max_position_embeddings).",
+)
+@click.option(
+    "--strict-template", is_flag=True, help="Render every turn with the template (fork where it rewrites history)."
+)
 @click.option("--engine-timeout", default=600.0, show_default=True, help="Seconds an engine call may take.")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
-def gateway_command(engines: tuple[str, ...], engine_kind: str, model_dir: Path, pool_url: str, host: str, port: int,
-                    admin_token: str | None, public_url: str | None, model_name: str, context_length: int | None,
-                    strict_template: bool, engine_timeout: float, initial_version: int) -> None:
+def gateway_command(
+    engines: tuple[str, ...],
+    engine_kind: str,
+    model_dir: Path,
+    pool_url: str,
+    host: str,
+    port: int,
+    admin_token: str | None,
+    public_url: str | None,
+    model_name: str,
+    context_length: int | None,
+    strict_template: bool,
+    engine_timeout: float,
+    initial_version: int,
+) -> None:
     """Run the recording gateway in front of one or more engines."""
     from datapool import open_pool
     from gateway.config import GatewaySettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = GatewaySettings(host=host, port=port, admin_token=admin_token, public_url=public_url,
-                               model_name=model_name, strict_template=strict_template,
-                               context_length=context_length)
+    settings = GatewaySettings(
+        host=host,
+        port=port,
+        admin_token=admin_token,
+        public_url=public_url,
+        model_name=model_name,
+        strict_template=strict_template,
+        context_length=context_length,
+    )
     if admin_token is None:
         log.warning("no --admin-token: /admin/* and POST /sessions are open to anyone who can reach port %d", port)
     pool = open_pool(pool_url)
@@ -121,7 +162,9 @@ def gateway_command(engines: tuple[str, ...], engine_kind: str, model_dir: Path,
         pool.close()
 
 
-async def _serve(settings, engines: list[str], kind: str, model_dir: Path, pool: Pool, timeout: float, version: int) -> None:
+async def _serve(
+    settings, engines: list[str], kind: str, model_dir: Path, pool: Pool, timeout: float, version: int
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

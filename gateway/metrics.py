@@ -18,8 +18,12 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 CALLS = Counter("stepline_gateway_calls", "Model calls served", ["api", "finish_reason"])
 ERRORS = Counter("stepline_gateway_errors", "Requests answered with an error", ["api", "status"])
-LATENCY = Histogram("stepline_gateway_call_seconds", "Call latency, received to answered", ["api", "stream"], buckets=_LATENCY_BUCKETS)
-FIRST_TOKEN = Histogram("stepline_gateway_first_token_seconds", "Time to the first streamed token", ["api"], buckets=_LATENCY_BUCKETS)
+LATENCY = Histogram(
+    "stepline_gateway_call_seconds", "Call latency, received to answered", ["api", "stream"], buckets=_LATENCY_BUCKETS
+)
+FIRST_TOKEN = Histogram(
+    "stepline_gateway_first_token_seconds", "Time to the first streamed token", ["api"], buckets=_LATENCY_BUCKETS
+)
 TOKENS = Counter("stepline_gateway_tokens", "Tokens through the gateway", ["kind"])  # prompt | completion
 IN_FLIGHT = Gauge("stepline_gateway_in_flight", "Model calls being served now")
 WEIGHT_VERSION = Gauge("stepline_gateway_weight_version", "Weight version new calls are stamped with")

@@ -161,7 +161,9 @@ class Recorder:
                 break
         deadline = time.monotonic() + self.flush_interval
         # a partial batch of calls waits a little for company, unless something waits on it
-        while self._pending and not self._pending_controls and not self._closing and len(self._pending) < self.batch_size:
+        while (
+            self._pending and not self._pending_controls and not self._closing and len(self._pending) < self.batch_size
+        ):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break

@@ -4,7 +4,8 @@ format with outputs chosen by the test. Used by the gateway's tests and its benc
     async with FakeEngine(script=[Scripted([5, 6, 2])], eos_id=2) as url: ...
 
 Each `/generate` takes the next `Scripted` output (or, when the script is empty, `default_tokens`
-ids derived from the prompt, the last one EOS when `eos_id` is set), then applies the request's sampling parameters the way an engine does:
+ids derived from the prompt, the last one EOS when `eos_id` is set), then applies the request's
+sampling parameters the way an engine does:
 cut after the first stop token id / EOS (finish "stop", matched = that id, the id kept in output_ids,
 left out of the text), else cut at max_new_tokens (finish "length"). Logprobs default to
 -(k + 1) / 100 for the k-th output token, so a test can check which logprob went with which id.
@@ -165,7 +166,11 @@ class FakeEngine:
             ids_in = body["input_ids"]
             res = self._sample(ids_in, body.get("sampling_params") or {})
             if not body.get("stream"):
-                out = {"text": res.text, "output_ids": res.ids, "meta_info": self._meta(res, len(res.ids), len(ids_in), True)}
+                out = {
+                    "text": res.text,
+                    "output_ids": res.ids,
+                    "meta_info": self._meta(res, len(res.ids), len(ids_in), True),
+                }
                 return web.Response(body=orjson.dumps(out), content_type="application/json")
             return await self._sglang_stream(request, res, len(ids_in))
         finally:
@@ -182,7 +187,11 @@ class FakeEngine:
             meta = self._meta(res, n, prompt_len, final)
             if self.incremental:
                 prev = n_text * (n - 1) // max(len(res.ids), 1)
-                event = {"text": res.text[prev:upto], "output_ids": res.ids[n - 1 : n], "meta_info": {**meta, "output_token_logprobs": meta["output_token_logprobs"][n - 1 :]}}
+                event = {
+                    "text": res.text[prev:upto],
+                    "output_ids": res.ids[n - 1 : n],
+                    "meta_info": {**meta, "output_token_logprobs": meta["output_token_logprobs"][n - 1 :]},
+                }
             else:
                 event = {"text": res.text[:upto], "output_ids": res.ids[:n], "meta_info": meta}
             await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
@@ -243,7 +252,12 @@ class FakeEngine:
             "index": 0,
             "text": text,
             "token_ids": ids,
-            "logprobs": {"tokens": [f"<{t}>" for t in ids], "token_logprobs": lps, "top_logprobs": None, "text_offset": []},
+            "logprobs": {
+                "tokens": [f"<{t}>" for t in ids],
+                "token_logprobs": lps,
+                "top_logprobs": None,
+                "text_offset": [],
+            },
             "finish_reason": finish,
             "stop_reason": res.finish.get("matched") if final and res.finish.get("matched") != self.eos_id else None,
         }
@@ -254,10 +268,19 @@ class FakeEngine:
             return failure
         prompt = body["prompt"]
         res = self._sample(prompt, body)
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(res.ids), "total_tokens": len(prompt) + len(res.ids)}
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(res.ids),
+            "total_tokens": len(prompt) + len(res.ids),
+        }
         if not body.get("stream"):
-            out = {"id": "cmpl-fake", "object": "text_completion", "model": self.model_name,
-                   "choices": [self._vllm_choice(res, res.ids, res.logprobs, res.text, True)], "usage": usage}
+            out = {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "model": self.model_name,
+                "choices": [self._vllm_choice(res, res.ids, res.logprobs, res.text, True)],
+                "usage": usage,
+            }
             return web.Response(body=orjson.dumps(out), content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)

@@ -103,7 +103,13 @@ class WeightGate:
         except Exception as exc:
             self.last_error = str(exc)
             metrics.WEIGHT_UPDATES.labels("failed").inc()
-            log.error("weight update to version %d (%s) failed; version %d keeps serving: %s", version, path, self.version, exc)
+            log.error(
+                "weight update to version %d (%s) failed; version %d keeps serving: %s",
+                version,
+                path,
+                self.version,
+                exc,
+            )
             raise
         finally:
             self.updating = False
@@ -118,7 +124,9 @@ class WeightGate:
         try:
             await asyncio.wait_for(self._drained.wait(), self.drain_timeout)
         except TimeoutError:
-            raise EngineError(f"{self.in_flight} calls still running after {self.drain_timeout:g} s; update abandoned") from None
+            raise EngineError(
+                f"{self.in_flight} calls still running after {self.drain_timeout:g} s; update abandoned"
+            ) from None
 
     async def _update_all(self, path: str, version: int) -> None:
         clients = self.router.clients
@@ -137,10 +145,16 @@ class WeightGate:
         if not updated:
             return
         if self.path is None:
-            log.error("engines %s loaded the new weights but the previous checkpoint is unknown: they serve "
-                      "newer weights than version %d until the next update", [c.url for c in updated], self.version)
+            log.error(
+                "engines %s loaded the new weights but the previous checkpoint is unknown: they serve "
+                "newer weights than version %d until the next update",
+                [c.url for c in updated],
+                self.version,
+            )
             return
-        results = await asyncio.gather(*(c.update_weights(self.path, self.version) for c in updated), return_exceptions=True)
+        results = await asyncio.gather(
+            *(c.update_weights(self.path, self.version) for c in updated), return_exceptions=True
+        )
         for client, result in zip(updated, results):
             if isinstance(result, BaseException):
                 log.error("rolling %s back to %s failed: %s", client.url, self.path, result)

@@ -41,8 +41,9 @@ def start(name: str, args: list[str], logs: Path) -> Child:
     log = logs / f"{name}.log"
     out = log.open("ab")
     # own session: Ctrl-C reaches only `up`, which then stops the children in order
-    proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stepline.cli", *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
     out.close()
     return Child(name, proc, log)
 
@@ -60,7 +61,9 @@ def wait_healthy(child: Child | None, url: str, timeout: float) -> None:
             pass
         time.sleep(0.2)
     name = child.name if child else url
-    raise click.ClickException(f"{name} did not become healthy within {timeout:g} s" + (f":\n{tail(child.log)}" if child else ""))
+    raise click.ClickException(
+        f"{name} did not become healthy within {timeout:g} s" + (f":\n{tail(child.log)}" if child else "")
+    )
 
 
 def tail(log: Path, lines: int = 20) -> str:
@@ -80,8 +83,12 @@ def stop_all(children: list[Child], grace: float = 30.0) -> None:
 
 
 def open_session(gateway: str, admin_token: str) -> dict:
-    answer = httpx.post(f"{gateway}/sessions", json={"task_id": "manual", "harness": "manual"},
-                        headers={"Authorization": f"Bearer {admin_token}"}, timeout=10.0)
+    answer = httpx.post(
+        f"{gateway}/sessions",
+        json={"task_id": "manual", "harness": "manual"},
+        headers={"Authorization": f"Bearer {admin_token}"},
+        timeout=10.0,
+    )
     answer.raise_for_status()
     return answer.json()
 
@@ -94,8 +101,8 @@ Stepline is up.
   gateway  {gateway}   (admin token: {admin_token})
 
 A session is open for you (every call through it is recorded):
-  OpenAI agents:     export OPENAI_BASE_URL={session['openai_base_url']} OPENAI_API_KEY={session['api_key']}
-  Anthropic agents:  export ANTHROPIC_BASE_URL={session['anthropic_base_url']} ANTHROPIC_API_KEY={session['api_key']}
+  OpenAI agents:     export OPENAI_BASE_URL={session["openai_base_url"]} OPENAI_API_KEY={session["api_key"]}
+  Anthropic agents:  export ANTHROPIC_BASE_URL={session["anthropic_base_url"]} ANTHROPIC_API_KEY={session["api_key"]}
 
 One session per episode: open more with
   curl -s -X POST {gateway}/sessions -H 'Authorization: Bearer {admin_token}' \\
@@ -109,19 +116,40 @@ Ctrl-C stops everything (the gateway flushes its records to the pool first).
 
 
 @click.command("up")
-@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Model directory (e.g. from `stepline make-model`).")
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Model directory (e.g. from `stepline make-model`).",
+)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Gateway port (0: free).")
-@click.option("--engine", "engine_url", default=None, help="Use this running engine instead of starting the built-in one.")
+@click.option(
+    "--engine", "engine_url", default=None, help="Use this running engine instead of starting the built-in one."
+)
 @click.option("--engine-kind", type=click.Choice(["builtin", "sglang", "vllm"]), default="builtin", show_default=True)
 @click.option("--pool", "pool_url", default=None, help="Use this pool URL (default: SQLite in STATE_DIR).")
 @click.option("--serve-pool", is_flag=True, help="Run the pool as its own service (stepline pool serve).")
-@click.option("--state-dir", default=Path("stepline-up"), show_default=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Where the pool database and the logs go.")
+@click.option(
+    "--state-dir",
+    default=Path("stepline-up"),
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the pool database and the logs go.",
+)
 @click.option("--admin-token", default=None, help="Admin token (default: a fresh random one, printed).")
 @click.option("--startup-timeout", default=180.0, show_default=True, help="Seconds each service may take to start.")
-def up_command(model_dir: Path, port: int, engine_url: str | None, engine_kind: str, pool_url: str | None,
-               serve_pool: bool, state_dir: Path, admin_token: str | None, startup_timeout: float) -> None:
+def up_command(
+    model_dir: Path,
+    port: int,
+    engine_url: str | None,
+    engine_kind: str,
+    pool_url: str | None,
+    serve_pool: bool,
+    state_dir: Path,
+    admin_token: str | None,
+    startup_timeout: float,
+) -> None:
     """Start engine, pool and gateway together and print how to point an agent at them."""
     logs = state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -130,16 +158,38 @@ def up_command(model_dir: Path, port: int, engine_url: str | None, engine_kind: 
     try:
         if engine_url is None:
             engine_url, engine_kind = f"http://127.0.0.1:{free_port()}", "builtin"
-            children.append(start("engine", ["engine", "--model", str(model_dir), "--port", engine_url.rsplit(":", 1)[1]], logs))
+            children.append(
+                start("engine", ["engine", "--model", str(model_dir), "--port", engine_url.rsplit(":", 1)[1]], logs)
+            )
         database = f"sqlite:///{(state_dir / 'pool.db').resolve()}"
         if pool_url is None and serve_pool:
             pool_url = f"http://127.0.0.1:{free_port()}"
-            children.append(start("pool", ["pool", "serve", "--db", database, "--port", pool_url.rsplit(":", 1)[1]], logs))
+            children.append(
+                start("pool", ["pool", "serve", "--db", database, "--port", pool_url.rsplit(":", 1)[1]], logs)
+            )
         pool_url = pool_url or database
         gateway_url = f"http://127.0.0.1:{port or free_port()}"
-        children.append(start("gateway", ["gateway", "--engine", engine_url, "--engine-kind", engine_kind,
-                                           "--model", str(model_dir), "--pool", pool_url,
-                                           "--port", gateway_url.rsplit(":", 1)[1], "--admin-token", admin_token], logs))
+        children.append(
+            start(
+                "gateway",
+                [
+                    "gateway",
+                    "--engine",
+                    engine_url,
+                    "--engine-kind",
+                    engine_kind,
+                    "--model",
+                    str(model_dir),
+                    "--pool",
+                    pool_url,
+                    "--port",
+                    gateway_url.rsplit(":", 1)[1],
+                    "--admin-token",
+                    admin_token,
+                ],
+                logs,
+            )
+        )
         by_name = {c.name: c for c in children}
         wait_healthy(by_name.get("engine"), engine_url, startup_timeout)
         if "pool" in by_name:

@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class EngineRouter:
-    def __init__(self, clients: list[EngineClient], health_interval: float = 2.0, max_sessions: int = 1_000_000) -> None:
+    def __init__(
+        self, clients: list[EngineClient], health_interval: float = 2.0, max_sessions: int = 1_000_000
+    ) -> None:
         if not clients:
             raise ValueError("EngineRouter needs at least one engine")
         self.clients = list(clients)

@@ -111,7 +111,11 @@ class SGLangEngine:
         try:
             async for event in events:
                 meta = event.get("meta_info", {})
-                raw_ids, raw_lps, new_text = event.get("output_ids", []), meta.get("output_token_logprobs") or [], event.get("text", "")
+                raw_ids, raw_lps, new_text = (
+                    event.get("output_ids", []),
+                    meta.get("output_token_logprobs") or [],
+                    event.get("text", ""),
+                )
                 if cumulative is None and ids:
                     # cumulative events repeat every id so far: their length equals completion_tokens
                     total = meta.get("completion_tokens")
@@ -126,7 +130,11 @@ class SGLangEngine:
                 final = None
                 if meta.get("finish_reason") is not None:
                     final = self._generation(
-                        {"output_ids": ids, "text": text, "meta_info": {**meta, "output_token_logprobs": [[lp] for lp in logprobs]}},
+                        {
+                            "output_ids": ids,
+                            "text": text,
+                            "meta_info": {**meta, "output_token_logprobs": [[lp] for lp in logprobs]},
+                        },
                         len(input_ids),
                     )
                 if new_ids or final is not None:

@@ -82,11 +82,15 @@ class VLLMEngine:
             ids = [int(t) for t in choice["token_ids"]]
             logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
         except (KeyError, TypeError, IndexError, ValueError) as exc:
-            raise EngineError(f"malformed /v1/completions answer (return_token_ids needs vLLM >= 0.10.2): {exc!r}", self.url) from exc
+            raise EngineError(
+                f"malformed /v1/completions answer (return_token_ids needs vLLM >= 0.10.2): {exc!r}", self.url
+            ) from exc
         prompt_tokens = int((out.get("usage") or {}).get("prompt_tokens", len(input_ids)))
         return self._generation(ids, logprobs, choice.get("text", ""), choice, prompt_tokens)
 
-    def _generation(self, ids: list[int], logprobs: list[float], text: str, choice: dict, prompt_tokens: int) -> Generation:
+    def _generation(
+        self, ids: list[int], logprobs: list[float], text: str, choice: dict, prompt_tokens: int
+    ) -> Generation:
         if len(logprobs) != len(ids):
             raise EngineError(f"{len(ids)} output ids but {len(logprobs)} logprobs", self.url)
         reason = str(choice.get("finish_reason") or "abort")
@@ -145,7 +149,8 @@ class VLLMEngine:
         except EngineRejected as exc:
             if exc.upstream_status == 404:
                 raise EngineError(
-                    "vLLM has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1 or restart it on the new checkpoint",
+                    "vLLM has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1, "
+                    "or restart it on the new checkpoint",
                     self.url,
                 ) from exc
             raise

@@ -52,7 +52,9 @@ def test_gateway_options() -> None:
         assert option in result.output
     missing = runner.invoke(main, ["gateway", "--model", ".", "--pool", "sqlite:///:memory:"])
     assert missing.exit_code == 2 and "--engine" in missing.output
-    bad_kind = runner.invoke(main, ["gateway", "--engine", "http://x", "--engine-kind", "tgi", "--model", ".", "--pool", "p"])
+    bad_kind = runner.invoke(
+        main, ["gateway", "--engine", "http://x", "--engine-kind", "tgi", "--model", ".", "--pool", "p"]
+    )
     assert bad_kind.exit_code == 2 and "tgi" in bad_kind.output
 
 
@@ -86,17 +88,36 @@ async def test_gateway_process_serves_records_and_flushes_on_sigterm(tiny_model_
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         proc = await asyncio.create_subprocess_exec(
-            *stepline("gateway", "--engine", engine_url, "--engine-kind", "sglang", "--model", str(tiny_model_dir),
-                      "--pool", f"sqlite:///{db}", "--port", str(port), "--admin-token", "adm"),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            *stepline(
+                "gateway",
+                "--engine",
+                engine_url,
+                "--engine-kind",
+                "sglang",
+                "--model",
+                str(tiny_model_dir),
+                "--pool",
+                f"sqlite:///{db}",
+                "--port",
+                str(port),
+                "--admin-token",
+                "adm",
+            ),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             await wait_health(url, proc)
             async with httpx.AsyncClient(timeout=30) as client:
-                session = (await client.post(url + "/sessions", json={"task_id": "t", "harness": "h"}, headers=ADMIN)).json()
-                reply = await client.post(session["openai_base_url"] + "/chat/completions",
-                                          json={"model": "stepline", "messages": [{"role": "user", "content": "hi"}]},
-                                          headers={"Authorization": f"Bearer {session['api_key']}"})
+                session = (
+                    await client.post(url + "/sessions", json={"task_id": "t", "harness": "h"}, headers=ADMIN)
+                ).json()
+                reply = await client.post(
+                    session["openai_base_url"] + "/chat/completions",
+                    json={"model": "stepline", "messages": [{"role": "user", "content": "hi"}]},
+                    headers={"Authorization": f"Bearer {session['api_key']}"},
+                )
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["message"]["content"] == "Hello there"
         finally:
@@ -125,9 +146,13 @@ async def test_gateway_process_serves_records_and_flushes_on_sigterm(tiny_model_
 def test_up_starts_everything_prints_how_and_stops_on_ctrl_c(tiny_model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("gateway.app")
     openai = pytest.importorskip("openai")
-    proc = subprocess.Popen(stepline("up", "--model", str(tiny_model_dir), "--port", "0", "--state-dir", str(tmp_path)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        stepline("up", "--model", str(tiny_model_dir), "--port", "0", "--state-dir", str(tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         lines = []
         while not any("OPENAI_BASE_URL" in line for line in lines):
@@ -138,7 +163,9 @@ def test_up_starts_everything_prints_how_and_stops_on_ctrl_c(tiny_model_dir: Pat
         base = re.search(r"OPENAI_BASE_URL=(\S+)", text).group(1)
         key = re.search(r"OPENAI_API_KEY=(\S+)", text).group(1)
         client = openai.OpenAI(base_url=base, api_key=key)
-        reply = client.chat.completions.create(model="stepline", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        reply = client.chat.completions.create(
+            model="stepline", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         assert reply.choices[0].message is not None
     finally:
         proc.send_signal(signal.SIGINT)

@@ -46,7 +46,9 @@ async def test_generate_keeps_stop_token_in_ids_not_text(http, kind, api, increm
 @pytest.mark.parametrize("kind,api,incremental", FORMATS)
 async def test_generate_sends_token_ids_and_sampling(http, kind, api, incremental) -> None:
     fake = FakeEngine([Scripted([5, 6, 7])], api=api)
-    sampling = SamplingParams(max_new_tokens=2, temperature=0.5, top_p=0.9, top_k=40, stop=["x"], stop_token_ids=[9], seed=7)
+    sampling = SamplingParams(
+        max_new_tokens=2, temperature=0.5, top_p=0.9, top_k=40, stop=["x"], stop_token_ids=[9], seed=7
+    )
     async with fake as url:
         gen = await make_engine(url, kind, http, timeout=5).generate(PROMPT, sampling)
     assert (gen.output_ids, gen.finish_reason) == ([5, 6], "length")
@@ -93,7 +95,9 @@ async def test_stream_deltas_add_up_to_the_generation(http, kind, api, increment
 @pytest.mark.parametrize(
     "status,error,code", [(400, EngineRejected, 400), (500, EngineError, 502), (503, EngineUnavailable, 503)]
 )
-async def test_engine_http_errors_are_translated_and_not_retried(http, kind, api, incremental, status, error, code) -> None:
+async def test_engine_http_errors_are_translated_and_not_retried(
+    http, kind, api, incremental, status, error, code
+) -> None:
     fake = FakeEngine(api=api, fail_next=[status])
     async with fake as url:
         with pytest.raises(error) as caught:

@@ -16,7 +16,9 @@ def sample(name: str, **labels: str) -> float:
 async def test_observed_calls_appear_in_metrics() -> None:
     before = sample("stepline_gateway_calls_total", api="messages", finish_reason="stop")
     tokens = sample("stepline_gateway_tokens_total", kind="completion")
-    metrics.observe_call("messages", True, "stop", 0.03, prompt_tokens=100, completion_tokens=7, first_token_seconds=0.01)
+    metrics.observe_call(
+        "messages", True, "stop", 0.03, prompt_tokens=100, completion_tokens=7, first_token_seconds=0.01
+    )
     metrics.observe_error("messages", 503)
     assert sample("stepline_gateway_calls_total", api="messages", finish_reason="stop") == before + 1
     assert sample("stepline_gateway_tokens_total", kind="completion") == tokens + 7
@@ -27,7 +29,12 @@ async def test_observed_calls_appear_in_metrics() -> None:
         resp = await client.get("/metrics")
         text = await resp.text()
     assert resp.status == 200 and resp.content_type == "text/plain"
-    for name in ("stepline_gateway_calls_total", "stepline_gateway_call_seconds_bucket", "stepline_gateway_errors_total",
-                 "stepline_gateway_record_queue_depth", "stepline_gateway_first_token_seconds_count"):
+    for name in (
+        "stepline_gateway_calls_total",
+        "stepline_gateway_call_seconds_bucket",
+        "stepline_gateway_errors_total",
+        "stepline_gateway_record_queue_depth",
+        "stepline_gateway_first_token_seconds_count",
+    ):
         assert name in text
     assert 'stepline_gateway_errors_total{api="messages",status="503"}' in text
