@@ -10,13 +10,15 @@ sampled token's logprob, so `top_logprobs` lists that one token), `stream` with
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, with_config
+from typing_extensions import NotRequired, TypedDict
 
 from gateway.engines import Generation, SamplingParams, StreamDelta
 from gateway.frontends import flow
@@ -31,29 +33,35 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class TextPart(_Model):
+# Messages validate into plain dicts (TypedDicts: pydantic-core builds them, no Python objects per message),
+# so the usual message — a string content, no tool calls — is already in the form the template takes.
+@with_config(ConfigDict(extra="ignore", strict=True))
+class TextPart(TypedDict):
     type: Literal["text", "input_text", "output_text"]
     text: str
 
 
-class FunctionCall(_Model):
+@with_config(ConfigDict(extra="ignore", strict=True))
+class FunctionCall(TypedDict):
     name: str
-    arguments: str | dict[str, Any] = "{}"
+    arguments: NotRequired[str | dict[str, Any]]
 
 
-class ToolCallIn(_Model):
-    id: str | None = None
-    type: Literal["function"] = "function"
+@with_config(ConfigDict(extra="ignore", strict=True))
+class ToolCallIn(TypedDict):
+    id: NotRequired[str | None]
+    type: NotRequired[Literal["function"]]
     function: FunctionCall
 
 
-class ChatMessage(_Model):
+@with_config(ConfigDict(extra="ignore", strict=True))
+class ChatMessage(TypedDict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
+    content: NotRequired[str | list[TextPart] | None]
+    name: NotRequired[str | None]
+    tool_calls: NotRequired[list[ToolCallIn] | None]
+    tool_call_id: NotRequired[str | None]
+    reasoning_content: NotRequired[str | None]
 
 
 class FunctionDef(_Model):
@@ -104,27 +112,31 @@ class ChatRequest(_Model):
 def text_of(content: str | list[TextPart] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(part.text for part in content)
+    return "".join(part["text"] for part in content)
 
 
 def to_messages(messages: list[ChatMessage]) -> list[Message]:
     out: list[Message] = []
     for m in messages:
-        message: Message = {"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)}
-        if m.tool_calls:
+        if type(m.get("content")) is str and m["role"] != "developer" and "tool_calls" not in m and None not in m.values():
+            out.append(m)  # type: ignore[arg-type]  # already canonical
+            continue
+        message: Message = {"role": "system" if m["role"] == "developer" else m["role"], "content": text_of(m.get("content"))}
+        if m.get("tool_calls"):
             message["tool_calls"] = [
-                {"id": c.id or "", "type": "function",
-                 "function": {"name": c.function.name, "arguments": _args_text(c.function.arguments)}}
-                for c in m.tool_calls]
+                {"id": c.get("id") or "", "type": "function",
+                 "function": {"name": c["function"]["name"], "arguments": _args_text(c["function"].get("arguments", "{}"))}}
+                for c in m["tool_calls"]]  # type: ignore[union-attr]
         for key in ("name", "tool_call_id", "reasoning_content"):
-            if (value := getattr(m, key)) is not None:
+            if (value := m.get(key)) is not None:
                 message[key] = value
         out.append(message)
     return out
 
 
 def _args_text(arguments: str | dict[str, Any]) -> str:
-    return arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode()
+    # json.dumps spacing, as the template's tojson would write an arguments object
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 def check_tool_choice(choice: Any, names: list[str]) -> bool:
