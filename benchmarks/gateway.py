@@ -232,45 +232,14 @@ async def cpu_by_turn(bench: Bench, gateway_pid: int, sessions: int, turns: int)
 
 def start_services(model_dir: Path, pool_url: str) -> tuple[subprocess.Popen, subprocess.Popen, str, str]:
     engine_port, gateway_port = free_port(), free_port()
-    engine = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway.testing",
-            "--port",
-            str(engine_port),
-            "--tokens",
-            str(OUT_TOKENS),
-            "--eos",
-            str(EOS),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    gateway = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "stepline.cli",
-            "gateway",
-            "--engine",
-            f"http://127.0.0.1:{engine_port}",
-            "--engine-kind",
-            "sglang",
-            "--model",
-            str(model_dir),
-            "--pool",
-            pool_url,
-            "--port",
-            str(gateway_port),
-            "--admin-token",
-            "bench",
-            "--context-length",
-            "32768",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    return engine, gateway, f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
+    engine_args = ["--port", str(engine_port), "--tokens", str(OUT_TOKENS), "--eos", str(EOS)]
+    engine = subprocess.Popen([sys.executable, "-m", "gateway.testing", *engine_args], stdout=subprocess.DEVNULL)
+    engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
+    gateway_args = ["--engine", engine_url, "--engine-kind", "sglang", "--model", str(model_dir), "--pool", pool_url,
+                    "--port", str(gateway_port), "--admin-token", "bench", "--context-length", "32768"]
+    gateway = subprocess.Popen([sys.executable, "-m", "stepline.cli", "gateway", *gateway_args],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return engine, gateway, engine_url, gateway_url
 
 
 async def wait_up(http: aiohttp.ClientSession, *urls: str) -> None:
@@ -302,7 +271,7 @@ async def run(args: argparse.Namespace, model_dir: Path, pool_url: str) -> dict:
     connector = aiohttp.TCPConnector(limit=0)
     try:
         async with aiohttp.ClientSession(connector=connector) as http:
-            await wait_up(http, engine_url, gateway_url)
+            await wait_up(http, *([pool_url] if pool_url.startswith("http") else []), engine_url, gateway_url)
             bench = Bench(http, gateway_url, engine_url, document(model_dir, args.context))
             await bench.conversation(await bench.new_session("warmup"), 3)
             results = {
@@ -327,9 +296,10 @@ def report(r: dict, args: argparse.Namespace) -> None:
         ("TTFT p50 (ms, stream)", ttft["direct_p50"], ttft["gateway_p50"], ttft["added_p50"], TARGETS["ttft_added_ms"]),
         ("TTFT p99 (ms, stream)", ttft["direct_p99"], ttft["gateway_p99"], ttft["added_p99"], None),
     ]
+    pool = "pool service (HTTP) -> SQLite" if args.pool_service else "SQLite pool"
     print(
         f"\ngateway benchmark: {args.context}-token document, {args.turns}-turn conversations, "
-        f"{OUT_TOKENS} tokens per answer, fake engine, SQLite pool; {os.cpu_count()} CPUs\n"
+        f"{OUT_TOKENS} tokens per answer, fake engine, {pool}; {os.cpu_count()} CPUs\n"
     )
     print(f"{'':26}{'direct':>10}{'gateway':>10}{'added':>10}{'target':>10}")
     for name, d, g, a, target in rows:
@@ -362,9 +332,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--context", type=int, default=4000, help="tokens in the first user message")
-    parser.add_argument("--conversations", type=int, default=4, help="sequential conversations for the latency figures")
+    parser.add_argument("--conversations", type=int, default=8, help="sequential conversations for the latency figures")
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: build `tiny`)")
+    parser.add_argument("--pool-service", action="store_true", help="record through `stepline pool serve` (HTTP)")
     parser.add_argument("--json", action="store_true", help="also print the raw figures as JSON")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -373,7 +344,18 @@ def main() -> None:
             from stepline.models import build_model
 
             model_dir = build_model(Path(tmp) / "tiny", kind="tiny", seed=0)
-        results = asyncio.run(run(args, model_dir, f"sqlite:///{Path(tmp) / 'pool.db'}"))
+        pool_url, service = f"sqlite:///{Path(tmp) / 'pool.db'}", None
+        if args.pool_service:
+            port = free_port()
+            service = subprocess.Popen([sys.executable, "-m", "stepline.cli", "pool", "serve", "--db", pool_url,
+                                        "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            pool_url = f"http://127.0.0.1:{port}"
+        try:
+            results = asyncio.run(run(args, model_dir, pool_url))
+        finally:
+            if service is not None:
+                service.terminate()
+                service.wait(60)
     report(results, args)
     if args.json:
         print(orjson.dumps(results, option=orjson.OPT_NON_STR_KEYS).decode())
