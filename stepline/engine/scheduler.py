@@ -177,6 +177,7 @@ class Scheduler:
         last = torch.tensor([[s.output_ids[-1]] for s in self._running])
         positions = torch.tensor([[len(s.spec.prompt_ids) + len(s.output_ids) - 1] for s in self._running])
         mask = self._kv.grow()
+        mask = None if bool(mask.all()) else mask  # no padding: skip building the padding mask
         logits = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
                             cache=self._kv.cache, use_cache=True).logits[:, -1]
         self._sample(self._running, logits)
