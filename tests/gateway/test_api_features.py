@@ -88,3 +88,45 @@ async def test_responses_previous_response_id(qwen3_model_dir: Path, tmp_path: P
         await served.flush()
         (p0, o0), (p1, _) = served.calls(s["session_id"])
         assert p1[: len(p0) + len(o0)] == p0 + o0
+
+
+async def test_streamed_choices_interleave_and_each_is_recorded(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    tok = tokenizer(qwen3_model_dir)
+    engine = fake_engine(tok, ["alpha beta gamma", "one two three"], token_delay=0.001)
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key=s["api_key"], max_retries=0)
+        texts = {0: "", 1: ""}
+        async for chunk in await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], n=2, stream=True, logprobs=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+        await client.close()
+        assert sorted(texts.values()) == ["alpha beta gamma", "one two three"]
+        await served.flush()
+        outputs = sorted(o for _, o in served.calls(s["session_id"]))
+        assert outputs == sorted([scripted(tok, "alpha beta gamma").output_ids, scripted(tok, "one two three").output_ids])
+
+
+async def test_client_leaving_a_stream_records_nothing(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    import asyncio
+
+    import httpx
+
+    tok = tokenizer(qwen3_model_dir)
+    engine = fake_engine(tok, [" ".join(["word"] * 60), "fine"], token_delay=0.02)
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        headers = {"Authorization": f"Bearer {s['api_key']}"}
+        async with httpx.AsyncClient(base_url=s["openai_base_url"], headers=headers) as c:
+            async with c.stream("POST", "/chat/completions", json=body) as r:
+                async for _line in r.aiter_lines():
+                    break  # the harness gives up after the first chunk
+            await asyncio.sleep(0.5)
+            ok = await c.post("/chat/completions", json={**body, "stream": False})
+            assert ok.json()["choices"][0]["message"]["content"] == "fine"
+        await asyncio.sleep(1.5)  # longer than the abandoned stream would have run
+        assert engine.in_flight == 0
+        await served.flush()
+        assert [o for _, o in served.calls(s["session_id"])] == [scripted(tok, "fine").output_ids]
