@@ -4,8 +4,9 @@ only, and translation of aiohttp / HTTP failures into the engine exception tree.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -14,6 +15,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from gateway.engines.base import EngineError, EngineRejected, EngineTimeout, EngineUnavailable
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+T = TypeVar("T")
 
 
 def dumps(body: dict[str, Any]) -> bytes:
@@ -86,50 +88,50 @@ class Transport:
             reraise=True,
         )
 
+    async def _send(self, send: Callable[[], Awaitable[T]]) -> T:
+        """send() once; on a transport error, up to `attempts - 1` more tries with backoff. The first
+        try bypasses tenacity, whose per-call setup costs tens of µs on the hot path."""
+        try:
+            return await send()
+        except Exception as exc:
+            if not is_transport_error(exc) or self.attempts < 2:
+                raise
+        await asyncio.sleep(self.backoff)
+        async for attempt in self._retrying(self.attempts - 1):
+            with attempt:
+                return await send()
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
+    @contextmanager
+    def _translated(self, doing: str, seconds: float | None) -> Iterator[None]:
+        """aiohttp's failures as engine errors: a timeout is EngineTimeout, anything else on the
+        connection EngineUnavailable."""
+        try:
+            yield
+        except asyncio.TimeoutError as exc:
+            raise EngineTimeout(f"{doing}: no answer within {seconds} s", self.url) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineUnavailable(f"{doing}: engine unreachable ({exc!r})", self.url) from exc
+
     async def post_json(self, path: str, body: dict[str, Any], timeout: float | None = None) -> Any:
         """POST and return the decoded JSON answer; raise an EngineError subclass on any failure."""
         data = dumps(body)
         limit = aiohttp.ClientTimeout(total=timeout) if timeout is not None else self.timeout
-        try:
-            try:  # the first try outside tenacity: its per-call setup costs ~tens of µs on the hot path
-                status, raw = await self._post(path, data, limit)
-            except Exception as exc:
-                if not is_transport_error(exc) or self.attempts < 2:
-                    raise
-                await asyncio.sleep(self.backoff)
-                async for attempt in self._retrying(self.attempts - 1):
-                    with attempt:
-                        status, raw = await self._post(path, data, limit)
-        except asyncio.TimeoutError as exc:
-            raise EngineTimeout(f"no answer from the engine within {limit.total} s", self.url) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(f"engine unreachable: {exc!r}", self.url) from exc
-        if status >= 400:
-            raise error_from_status(status, raw, self.url)
-        try:
-            return orjson.loads(raw) if raw else None
-        except orjson.JSONDecodeError as exc:
-            raise EngineError(f"engine answered invalid JSON: {raw[:200]!r}", self.url) from exc
 
-    async def _post(self, path: str, data: bytes, limit: aiohttp.ClientTimeout) -> tuple[int, bytes]:
-        async with self.http.post(self.url + path, data=data, headers=JSON_HEADERS, timeout=limit) as resp:
-            return resp.status, await resp.read()
+        async def send() -> tuple[int, bytes]:
+            async with self.http.post(self.url + path, data=data, headers=JSON_HEADERS, timeout=limit) as resp:
+                return resp.status, await resp.read()
+
+        with self._translated(f"POST {path}", limit.total):
+            status, raw = await self._send(send)
+        return _decode(status, raw, self.url)
 
     async def get_json(self, path: str) -> Any:
         """GET and decode JSON, errors translated (no retries: used once, at first use)."""
-        try:
+        with self._translated(f"GET {path}", self.timeout.total):
             async with self.http.get(self.url + path, timeout=self.timeout) as resp:
-                raw, status = await resp.read(), resp.status
-        except asyncio.TimeoutError as exc:
-            raise EngineTimeout(f"no answer from the engine within {self.timeout.total} s", self.url) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(f"engine unreachable: {exc!r}", self.url) from exc
-        if status >= 400:
-            raise error_from_status(status, raw, self.url)
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise EngineError(f"engine answered invalid JSON: {raw[:200]!r}", self.url) from exc
+                status, raw = resp.status, await resp.read()
+        return _decode(status, raw, self.url)
 
     async def get_ok(self, path: str, timeout: float = 2.0) -> bool:
         """True when GET path answers 2xx within `timeout` (health checks: no retries)."""
@@ -145,43 +147,43 @@ class Transport:
 
         Connecting is retried on transport errors; once bytes have flowed nothing is retried (the
         engine has sampled tokens the client may already have seen). Closing this generator early
-        closes the connection, which makes SGLang / vLLM abort the request."""
+        closes the connection, which makes SGLang / vLLM abort the request. The timeout bounds the
+        gap between chunks, not the whole stream."""
         data = dumps(body)
-        url = self.url + path
-        try:
-            try:  # first try outside tenacity (hot path), as in post_json
-                resp = await self.http.post(url, data=data, headers=JSON_HEADERS, timeout=self.stream_timeout)
-            except Exception as exc:
-                if not is_transport_error(exc) or self.attempts < 2:
-                    raise
-                await asyncio.sleep(self.backoff)
-                async for attempt in self._retrying(self.attempts - 1):
-                    with attempt:
-                        resp = await self.http.post(url, data=data, headers=JSON_HEADERS, timeout=self.stream_timeout)
-        except asyncio.TimeoutError as exc:
-            raise EngineTimeout(f"engine did not start the stream within {self.timeout.total} s", self.url) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(f"engine unreachable: {exc!r}", self.url) from exc
+
+        async def send() -> aiohttp.ClientResponse:
+            return await self.http.post(self.url + path, data=data, headers=JSON_HEADERS, timeout=self.stream_timeout)
+
+        seconds = self.stream_timeout.sock_read
+        with self._translated(f"POST {path} (stream)", seconds):
+            resp = await self._send(send)
         done = False
         try:
             if resp.status >= 400:
                 raise error_from_status(resp.status, await resp.read(), self.url)
-            async for event in _data_lines(resp):
-                if event == b"[DONE]":
-                    break
-                yield orjson.loads(event)
+            with self._translated(f"POST {path} (stream)", seconds):
+                async for event in _data_lines(resp):
+                    if event == b"[DONE]":
+                        break
+                    try:
+                        yield orjson.loads(event)
+                    except orjson.JSONDecodeError as exc:
+                        raise EngineError(f"engine sent an invalid stream event: {exc}", self.url) from exc
             done = True
-        except asyncio.TimeoutError as exc:
-            raise EngineTimeout(f"engine stream stalled for {self.timeout.total} s", self.url) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(f"engine stream broke: {exc!r}", self.url) from exc
-        except orjson.JSONDecodeError as exc:
-            raise EngineError(f"engine sent an invalid stream event: {exc}", self.url) from exc
         finally:
             if done:
                 resp.release()
             else:
                 resp.close()
+
+
+def _decode(status: int, raw: bytes, url: str) -> Any:
+    if status >= 400:
+        raise error_from_status(status, raw, url)
+    try:
+        return orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError as exc:
+        raise EngineError(f"engine answered invalid JSON: {raw[:200]!r}", url) from exc
 
 
 async def _data_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

@@ -134,6 +134,15 @@ async def test_slow_engine_times_out(http) -> None:
     assert caught.value.status == 504
 
 
+async def test_stalled_stream_times_out_after_the_first_tokens(http) -> None:
+    async with FakeEngine([Scripted([5, 6, 7])], token_delay=1.0) as url:
+        stream = make_engine(url, "sglang", http, timeout=0.2).stream(PROMPT, SamplingParams())
+        assert (await anext(stream)).output_ids == [5]
+        with pytest.raises(EngineTimeout, match="no answer within 0.2 s"):
+            await anext(stream)
+        await stream.aclose()
+
+
 async def test_sglang_weight_update_pause_resume(http) -> None:
     fake = FakeEngine()
     async with fake as url:
