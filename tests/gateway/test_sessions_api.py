@@ -92,3 +92,21 @@ async def test_strict_template_forks_where_reasoning_is_stripped(qwen3_model_dir
         (p0, o0), (p1, _) = served.calls(s["session_id"])
         assert first_difference(p1, p0 + o0) == len(p0)  # the template drops the <think> the model wrote
         assert o0[0] == tok.token_to_id("<think>")
+
+
+async def test_calls_are_stamped_with_the_weight_version_at_dispatch(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    tok = tokenizer(qwen3_model_dir)
+    async with fake_engine(tok, ["a", "b"]) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        async with httpx.AsyncClient(base_url=served.url) as c:
+            key = {"Authorization": f"Bearer {s['api_key']}"}
+            assert (await c.post("/v1/chat/completions", json=CHAT, headers=key)).status_code == 200
+            r = await c.post("/admin/update_weights", json={"path": str(tmp_path), "version": 3},
+                             headers={"Authorization": "Bearer adm"})
+            assert r.json() == {"weight_version": 3}
+            assert (await c.post("/v1/chat/completions", json=CHAT, headers=key)).status_code == 200
+        await served.flush()
+        tree = served.pool.get_tree(s["session_id"])
+        nodes = {n.id: n for n in tree.nodes}
+        versions = [nodes[tree.calls[i][1][0]].weight_version for i in sorted(tree.calls)]
+        assert versions == [0, 3]
