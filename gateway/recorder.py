@@ -26,6 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import zstandard
+
 from datapool.base import Pool, PoolError
 from datapool.records import CallRecord, Reward, SessionInfo
 from gateway import metrics
@@ -38,6 +40,7 @@ class _Item:
     kind: str  # "call" | "session" | "reward" | "end" | "flush"
     payload: Any
     done: Future[None] | None = None  # set when the pool has committed it (not for calls)
+    compress: bool = False  # a call whose request/response are still raw JSON: zstd them in the worker
 
 
 class Recorder:
@@ -64,6 +67,7 @@ class Recorder:
         self._closing = False
         self._deadline = 0.0
         self._thread: threading.Thread | None = None
+        self._zstd = zstandard.ZstdCompressor(level=3)  # worker thread only (not thread-safe)
         self.written = 0  # calls committed
         self.dropped = 0  # calls the pool refused as invalid (each logged)
         self.pool_errors = 0  # failed writes (each retried)
@@ -96,9 +100,12 @@ class Recorder:
     def has_capacity(self) -> bool:
         return self.depth() < self.max_queue
 
-    def record_call(self, record: CallRecord) -> None:
-        """Queue a call record; never blocks (check `has_capacity()` before dispatching)."""
-        self._inbox.put(_Item("call", record))
+    def record_call(self, record: CallRecord, compress: bool = False) -> None:
+        """Queue a call record; never blocks (check `has_capacity()` before dispatching).
+
+        compress=True: `record.request` / `record.response` are raw JSON bytes, and the worker thread
+        zstd-compresses them (as `CallRecord` stores them) off the event loop."""
+        self._inbox.put(_Item("call", record, compress=compress))
 
     async def create_session(self, info: SessionInfo) -> None:
         await self._submit("session", info)
@@ -194,6 +201,12 @@ class Recorder:
         with the unwritten items still queued."""
         head = batch[0]
         if head.kind == "call":
+            for item in batch:
+                if item.compress:  # once: a batch retried after an outage is already compressed
+                    record = item.payload
+                    record.request = _compress(self._zstd, record.request)
+                    record.response = _compress(self._zstd, record.response)
+                    item.compress = False
             self._write_calls([item.payload for item in batch])
             return
         try:
@@ -252,6 +265,10 @@ class Recorder:
         log.error("pool unavailable at shutdown (%r): %d call records NOT written", exc, calls)
         for item in lost:
             _resolve(item.done, exc)
+
+
+def _compress(zstd: zstandard.ZstdCompressor, data: bytes | None) -> bytes | None:
+    return None if data is None else zstd.compress(data)
 
 
 def _resolve(done: Future[None] | None, exc: BaseException | None) -> None:

@@ -91,6 +91,24 @@ async def test_fifo_order_and_one_batch_of_consecutive_calls(pool_recorder) -> N
     assert recorder.written == 3
 
 
+async def test_raw_request_and_answer_are_compressed_in_the_worker(pool_recorder) -> None:
+    import zstandard
+
+    pool, recorder = pool_recorder
+    records = []
+    pool.add_calls = lambda batch: records.extend(batch)  # type: ignore[method-assign]
+    raw = call("s", 0)
+    raw.request, raw.response = b'{"messages": []}', b'{"choices": []}'
+    recorder.record_call(raw, compress=True)
+    recorder.record_call(call("s", 1))  # already compressed (or no bodies): left alone
+    await recorder.flush()
+    assert [r.call_index for r in records] == [0, 1]
+    unzip = zstandard.ZstdDecompressor()
+    assert unzip.decompress(records[0].request) == b'{"messages": []}'
+    assert unzip.decompress(records[0].response) == b'{"choices": []}'
+    assert records[1].request is None
+
+
 async def test_batches_are_bounded() -> None:
     pool = MemoryPool()
     pool.gate.clear()  # hold the worker so the calls queue up
