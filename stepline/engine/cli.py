@@ -34,4 +34,5 @@ def engine_command(model_dir: Path, host: str, port: int, max_running_requests: 
         torch.set_num_threads(threads)
     app = create_app(model_dir, incremental_streaming=incremental_streaming_output,
                      max_running=max_running_requests, context_length=context_length, weight_version=weight_version)
+    click.echo(f"stepline engine: serving {model_dir} on http://{host}:{port}", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
