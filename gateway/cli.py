@@ -155,9 +155,14 @@ def gateway_command(
     )
     if admin_token is None:
         log.warning("no --admin-token: /admin/* and POST /sessions are open to anyone who can reach port %d", port)
-    pool = open_pool(pool_url)
+    try:
+        pool = open_pool(pool_url)
+    except Exception as exc:  # the edge: any failure to open is the operator's URL or database
+        raise click.ClickException(f"cannot open the pool {pool_url!r}: {exc}") from exc
     try:
         asyncio.run(_serve(settings, list(engines), engine_kind, model_dir, pool, engine_timeout, initial_version))
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve on {host}:{port}: {exc}") from exc
     finally:
         pool.close()
 

@@ -58,6 +58,19 @@ def test_gateway_options() -> None:
     assert bad_kind.exit_code == 2 and "tgi" in bad_kind.output
 
 
+def test_gateway_reports_a_busy_port_and_a_bad_pool(tiny_model_dir: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    args = ["gateway", "--engine", "http://127.0.0.1:9", "--model", str(tiny_model_dir)]
+    bad_pool = runner.invoke(main, [*args, "--pool", "mysql://nope"])
+    assert bad_pool.exit_code == 1 and "cannot open the pool 'mysql://nope'" in bad_pool.output
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = runner.invoke(main, [*args, "--pool", f"sqlite:///{tmp_path / 'p.db'}", "--port", str(port)])
+    assert busy.exit_code == 1 and f"cannot serve on 127.0.0.1:{port}" in busy.output
+
+
 def test_up_options() -> None:
     result = CliRunner().invoke(main, ["up", "--help"])
     assert result.exit_code == 0 and "--model" in result.output and "--serve-pool" in result.output
