@@ -50,23 +50,31 @@ def _flavour(path: str) -> Flavour:
     return "anthropic" if path.endswith("/messages") else "openai"
 
 
+def _api(path: str) -> str:
+    """The metrics label of a path: the model API it serves, "sessions", or "other" (bounded labels)."""
+    for suffix, (api, _) in MODEL_APIS.items():
+        if path.endswith("/v1/" + suffix):
+            return api
+    return "sessions" if path.startswith("/sessions") else "other"
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """Every failure becomes an answer in the caller's API format; nothing escapes as a bare 500."""
     try:
         return await handler(request)
     except ApiError as err:
-        metrics.observe_error(_flavour(request.path), err.status)
+        metrics.observe_error(_api(request.path), err.status)
         return error_response(_flavour(request.path), err)
     except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
         if exc.status < 400:
             raise
-        metrics.observe_error(_flavour(request.path), exc.status)
+        metrics.observe_error(_api(request.path), exc.status)
         message = "the request body is too large" if exc.status == 413 else exc.reason
         return error_response(_flavour(request.path), ApiError(exc.status, message))
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        metrics.observe_error(_flavour(request.path), 500)
+        metrics.observe_error(_api(request.path), 500)
         return error_response(_flavour(request.path), ApiError(500, "internal gateway error (logged)"))
 
 
