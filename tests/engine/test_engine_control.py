@@ -85,7 +85,7 @@ def test_pause_holds_new_work_until_continue(own: httpx.Client) -> None:
 
 def test_pause_abort_mode_ends_running_requests(own: httpx.Client) -> None:
     box: dict = {}
-    body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3000}}
+    body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
     worker = threading.Thread(target=lambda: box.setdefault("result", own.post("/generate", json=body).json()))
     worker.start()
     while own.get("/model_info").json()["running_requests"] == 0:
@@ -102,7 +102,7 @@ def test_pause_keeps_running_requests_exact(own: httpx.Client, mode: str) -> Non
     # Greedy: a retracted sequence's KV cache is recomputed by one prefill, whose logits differ from
     # step-by-step decoding by ~1e-7; a seeded draw could flip at a CDF boundary, an argmax does not.
     body = {"input_ids": [9, 10, 11], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 300, "temperature": 0.0}}
+            "sampling_params": {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}}
     reference = own.post("/generate", json=body).json()
     box: dict = {}
     worker = threading.Thread(target=lambda: box.setdefault("result", own.post("/generate", json=body).json()))

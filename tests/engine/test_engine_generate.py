@@ -152,13 +152,14 @@ def test_abort_request_by_rid(client: httpx.Client, engine_url: str) -> None:
 
     def long_request() -> None:
         with httpx.Client(base_url=engine_url, timeout=60) as c:
-            box["result"] = c.post("/generate", json={"input_ids": [1, 2], "rid": "long-1",
-                                                      "sampling_params": {"max_new_tokens": 3000}}).json()
+            params = {"max_new_tokens": 3000, "ignore_eos": True}
+            body = {"input_ids": [1, 2], "rid": "long-1", "sampling_params": params}
+            box["result"] = c.post("/generate", json=body).json()
 
     worker = threading.Thread(target=long_request)
     worker.start()
     while client.get("/model_info").json()["running_requests"] == 0:
-        pass
+        threading.Event().wait(0.01)
     assert client.post("/abort_request", json={"rid": "long-1"}).json()["aborted"] == 1
     worker.join(timeout=30)
     assert box["result"]["meta_info"]["finish_reason"]["type"] == "abort"
@@ -166,7 +167,7 @@ def test_abort_request_by_rid(client: httpx.Client, engine_url: str) -> None:
 
 
 def test_a_request_whose_client_left_is_aborted(client: httpx.Client, engine_url: str) -> None:
-    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4000}}
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{engine_url}/generate", json=body, timeout=0.5)
     for _ in range(100):  # the engine checks for a gone client every second
