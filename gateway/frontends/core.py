@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import zstandard
 from aiohttp import web
 
 from datapool.records import CallRecord
@@ -49,7 +48,6 @@ class Core:
         self.sessions = sessions
         self.parser_family = settings.parser or parser_family(template.model_type)
         self.context_length = settings.context_length or template.context_length
-        self._zstd = zstandard.ZstdCompressor(level=3)
         self._overloaded = ApiError(503, "the gateway's record queue is full; retry shortly",
                                     retry_after=settings.retry_after)
 
@@ -159,7 +157,8 @@ class Core:
     def record(self, session: Session, api: str, prompt_ids: np.ndarray, gen: Generation,
                sampling: SamplingParams, version: int, timings: dict[str, float], request_body: bytes,
                answer: dict) -> int:
-        """Queue the call's record (compressed request and answer); returns its call index."""
+        """Queue the call's record; returns its call index. The recorder's worker thread zstd-compresses
+        the request and answer bytes, off the event loop."""
         index = session.take_call_index()
         record = CallRecord(
             session_id=session.info.session_id,
@@ -172,10 +171,10 @@ class Core:
             api=api,
             sampling=sampling_dict(sampling),
             timings=timings,
-            request=self._zstd.compress(request_body),
-            response=self._zstd.compress(orjson.dumps(answer)),
+            request=request_body,
+            response=orjson.dumps(answer),
         )
-        self.recorder.record_call(record)
+        self.recorder.record_call(record, compress=True)
         return index
 
     def observe(self, api: str, stream: bool, timings: dict[str, float], prompt_len: int, gens: list[Generation]) -> None:

@@ -110,3 +110,27 @@ async def test_calls_are_stamped_with_the_weight_version_at_dispatch(qwen3_model
         nodes = {n.id: n for n in tree.nodes}
         versions = [nodes[tree.calls[i][1][0]].weight_version for i in sorted(tree.calls)]
         assert versions == [0, 3]
+
+
+async def test_request_and_answer_are_recorded_compressed(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    """What the pool receives for a call: the request body and the API answer, zstd-compressed JSON."""
+    import orjson
+    import zstandard
+
+    tok = tokenizer(qwen3_model_dir)
+    async with fake_engine(tok, ["hello"]) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        seen = []
+        add_calls = served.pool.add_calls
+        served.pool.add_calls = lambda batch: (seen.extend(batch), add_calls(batch))[1]  # type: ignore[method-assign]
+        async with httpx.AsyncClient(base_url=served.url) as c:
+            r = await c.post("/v1/chat/completions", json={**CHAT, "seed": 3},
+                             headers={"Authorization": f"Bearer {s['api_key']}"})
+        await served.flush()
+        (record,) = seen
+        unzip = zstandard.ZstdDecompressor()
+        assert orjson.loads(unzip.decompress(record.request)) == {**CHAT, "seed": 3}
+        assert orjson.loads(unzip.decompress(record.response)) == r.json()
+        assert (record.api, record.call_index, record.finish_reason) == ("chat.completions", 0, "stop")
+        assert record.sampling["seed"] == 3 and record.sampling["max_new_tokens"] == 4
+        assert set(record.timings) >= {"received", "dispatched", "done"}
