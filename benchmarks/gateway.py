@@ -147,39 +147,34 @@ class Bench:
         return times
 
 
-def recorded_prompts(pool_url: str, session_id: str) -> list[list[int]]:
-    """The exact prompt ids the engine received for each call, rebuilt from the pool's tree."""
+def recorded_calls(pool_url: str, session_id: str) -> list:
+    """The session's calls as recorded: the exact prompt ids the engine received, and the timings."""
     from datapool import open_pool
 
     pool = open_pool(pool_url, read_only=True)
     try:
-        tree = pool.get_tree(session_id)
+        return pool.get_calls(session_id)
     finally:
         pool.close()
-    nodes = {n.id: n for n in tree.nodes}
-    prompts = []
-    for index in sorted(tree.calls):
-        node, ids = nodes[tree.calls[index][0]], []
-        while True:
-            ids[:0] = node.tokens.tolist()
-            if node.parent < 0:
-                break
-            node = nodes[node.parent]
-        prompts.append(ids)
-    return prompts
 
 
 async def added_latency(bench: Bench, pool_url: str, turns: int, conversations: int, stream: bool) -> dict:
-    via, direct = [], []
+    """Gateway vs direct, paired per call. Also, from the recorded timings (the gateway's own clock):
+    `render` = received → dispatched (prompt building after the request was parsed and validated),
+    `upstream` = dispatched → done (whole call) or → first token (stream), as the gateway saw it."""
+    via, direct, render, upstream = [], [], [], []
     for c in range(conversations):
         session = await bench.new_session(f"latency-{stream}-{c}")
         times = await bench.conversation(session, turns, stream)
         await bench.end(session)  # acknowledged once every call is in the pool
-        for ids in recorded_prompts(pool_url, session["session_id"]):
-            direct.append(await bench.direct(ids, stream))
+        for record in recorded_calls(pool_url, session["session_id"]):
+            direct.append(await bench.direct(record.prompt_ids.tolist(), stream))
+            t = record.timings
+            render.append((t["dispatched"] - t["received"]) * 1e3)
+            upstream.append((t["first_token" if stream else "done"] - t["dispatched"]) * 1e3)
         via += times
     k = 0 if stream else 1  # first token (stream) or whole call
-    added = [(g[k] - d[k]) * 1e3 for g, d in zip(via, direct)]
+    added = [(g[k] - d[k]) * 1e3 for g, d in zip(via, direct, strict=True)]
     return {
         "gateway_p50": pct([g[k] * 1e3 for g in via], 50),
         "gateway_p99": pct([g[k] * 1e3 for g in via], 99),
@@ -187,6 +182,8 @@ async def added_latency(bench: Bench, pool_url: str, turns: int, conversations: 
         "direct_p99": pct([d[k] * 1e3 for d in direct], 99),
         "added_p50": pct(added, 50),
         "added_p99": pct(added, 99),
+        "render_p50": pct(render, 50),
+        "upstream_p50": pct(upstream, 50),
         "calls": len(added),
     }
 
@@ -304,6 +301,9 @@ def report(r: dict, args: argparse.Namespace) -> None:
     print(f"{'':26}{'direct':>10}{'gateway':>10}{'added':>10}{'target':>10}")
     for name, d, g, a, target in rows:
         print(f"{name:26}{d:10.2f}{g:10.2f}{a:10.2f}{(f'<= {target:g}' if target else ''):>10}")
+    for name, r in (("whole call", lat), ("first token", ttft)):
+        print(f"  inside the gateway, p50 ({name}): prompt building {r['render_p50']:.2f} ms, engine as seen by "
+              f"the gateway {r['upstream_p50']:.2f} ms (direct {r['direct_p50']:.2f} ms)")
     total, loop = tp["gateway_cpu_ms_per_call"], tp["event_loop_cpu_ms_per_call"]
     print(
         f"\nthroughput, {args.sessions} sessions: {tp['calls_per_s']:.0f} calls/s ({tp['calls']} calls in "
