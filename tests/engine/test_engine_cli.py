@@ -36,7 +36,7 @@ def test_stepline_engine_command_serves_and_stops(tiny_model_dir: Path) -> None:
                 assert time.monotonic() < deadline, "engine did not start"
                 time.sleep(0.1)
         result = httpx.post(f"{url}/generate", json={"input_ids": [1, 2, 3], "sampling_params":
-                                                      {"max_new_tokens": 4}}, timeout=30).json()
+                                                      {"max_new_tokens": 4, "sampling_seed": 0}}, timeout=30).json()
         assert len(result["output_ids"]) == 4
     finally:
         proc.terminate()
