@@ -1,0 +1,77 @@
+"""The main job, shortened: every part of Stepline takes part in one run (DESIGN.md §1).
+
+Builds a tiny model, warm-starts it on expert demonstrations, starts the built-in engine and the
+gateway as processes, evaluates, runs two RL updates with rollouts of all three harnesses through the
+gateway, pushes weights, evaluates again — then checks the run directory and the pool.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from datapool import open_pool
+from stepline.job import load_job
+from stepline.run import run_job
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    run_dir = tmp_path_factory.mktemp("run")
+    cfg = load_job(ROOT / "examples" / "quickstart.toml", {
+        "run_dir": str(run_dir), "rl_updates": 2,
+        "model.hidden_size": 32, "model.num_layers": 1,
+        "sft.demos_per_harness": 2, "sft.trainer": {"epochs": 2, "groups_per_update": 6, "lr": 3e-3,
+                                                    "tensorboard": False},
+        "trainer.groups_per_update": 2, "trainer.micro_batch_episodes": 4, "trainer.dynamic_sampling": False,
+        "rollout.group_size": 2, "rollout.max_concurrency": 4, "eval.limit": 1,
+    })
+    return run_dir, run_job(cfg)
+
+
+def test_every_part_took_part(finished_run: tuple[Path, dict]) -> None:
+    run_dir, summary = finished_run
+    # the trainer ran both updates and pushed weights after each; the engine serves the last version
+    assert summary["rl_updates"] == 2
+    assert (run_dir / "rl" / "weights" / "v000002" / "model.safetensors").is_file()
+    assert summary["weight_version"] == 2
+
+    pool = open_pool(f"sqlite:///{run_dir / 'pool.db'}", read_only=True)
+    try:
+        stats = pool.stats()
+        sessions = pool.list_sessions()
+        # calls recorded and trees built for the training sessions
+        trained = [s for s in sessions if not s.metadata.get("eval")]
+        assert stats["calls"] > 0 and trained
+        harnesses = {s.harness for s in trained}
+        assert harnesses == {"search", "terminal", "ui"} or len(harnesses) >= 2
+        tree = pool.get_tree(trained[0].session_id)
+        assert any(node.kind == "act" for node in tree.nodes)
+        # groups consumed by the trainer: at least one per update
+        assert stats["groups_consumed"] >= 2
+        # a reward was posted for every session, and every session ended
+        for info in sessions:
+            episode = pool.get_episode(info.session_id)
+            assert info.status != "open", info.session_id
+            assert any(r.step is None for r in episode.rewards), info.session_id
+        # evaluation before RL ran on version 0, after RL on the pushed version 2 (stamped at dispatch)
+        versions = {n.weight_version for s in sessions if s.metadata.get("eval")
+                    for n in pool.get_tree(s.session_id).nodes if n.kind == "act"}
+        assert versions == {0, 2}
+    finally:
+        pool.close()
+
+
+def test_run_directory_has_every_artifact(finished_run: tuple[Path, dict]) -> None:
+    run_dir, summary = finished_run
+    for name in ("job.json", "summary.json", "progress.png", "pool.db", "eval/before.json", "eval/after-2.json",
+                 "rl/metrics.jsonl", "rl/rollouts.json"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "rl" / "checkpoints").iterdir())
+    metrics = [json.loads(line) for line in (run_dir / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert set(summary["test_success_sft"]) == {"search", "terminal", "ui"}
