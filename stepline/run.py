@@ -18,11 +18,14 @@ import tomllib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import click
 
 from stepline.job import JobConfig, JobError, load_job
+
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
 
 __all__ = ["run_command", "run_job"]
 
@@ -68,13 +71,38 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
         path.mkdir(parents=True, exist_ok=True)
     (run.root / "job.json").write_text(cfg.model_dump_json(indent=1))
     base = build_base_model(cfg, run)
-    policy = warm_start(cfg, run, base)
+    sft_cfg, rl_cfg = trainer_configs(cfg, run, base)  # checked before anything long starts
+    policy = warm_start(cfg, run, base, sft_cfg)
     token = secrets.token_urlsafe(16)
     with services(cfg, run, policy, token) as gateway_url:
+        rl_cfg = rl_cfg.model_copy(update={"model_dir": policy, "gateway_url": gateway_url, "admin_token": token})
         evaluate_once(cfg, run, gateway_url, token, "before")
-        train_rl(cfg, run, policy, gateway_url, token)
+        train_rl(cfg, run, rl_cfg)
         evaluate_once(cfg, run, gateway_url, token, f"after-{cfg.rl_updates}")
     return write_summary(cfg, run)
+
+
+def trainer_configs(cfg: JobConfig, run: RunDir, base: Path):
+    """The SFT and RL trainer configs; a bad field fails here, naming `sft.trainer.X` or `trainer.X`."""
+    from pydantic import ValidationError
+
+    from trainer.config import TrainerConfig
+
+    tables = {
+        "sft.trainer": {"seed": cfg.seed, "progress": False, **cfg.sft.trainer, "mode": "sft", "model_dir": base,
+                        "output_dir": run.sft / "train"},
+        "trainer": {"seed": cfg.seed, "checkpoint_every": 1, **cfg.trainer, "mode": "rl", "progress": False,
+                    "model_dir": base, "output_dir": run.rl, "max_updates": max(cfg.rl_updates, 1),
+                    "group_size": cfg.rollout.group_size},
+    }
+    configs = []
+    for name, table in tables.items():
+        try:
+            configs.append(TrainerConfig.model_validate(table))
+        except ValidationError as exc:
+            fields = "; ".join(f"{name}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise JobError(f"invalid job: {fields}") from exc
+    return configs
 
 
 def build_base_model(cfg: JobConfig, run: RunDir) -> Path:
@@ -89,11 +117,10 @@ def build_base_model(cfg: JobConfig, run: RunDir) -> Path:
     return run.base_model
 
 
-def warm_start(cfg: JobConfig, run: RunDir, base: Path) -> Path:
+def warm_start(cfg: JobConfig, run: RunDir, base: Path, sft: TrainerConfig) -> Path:
     """SFT on expert demonstrations (cached in run_dir/model-sft); the base model when there are none."""
     from datapool import open_pool
     from stepline.demos import collect_demos
-    from trainer.config import TrainerConfig
     from trainer.loop import train
     from trainer.weight_sync import NoWeightSync
 
@@ -107,8 +134,6 @@ def warm_start(cfg: JobConfig, run: RunDir, base: Path) -> Path:
         if not pool.stats()["sessions"]:
             written = collect_demos(pool, base, cfg.rollout.harnesses, cfg.sft.demos_per_harness)
             click.echo(f"expert demonstrations: {written}")
-        sft = TrainerConfig.model_validate({"seed": cfg.seed, "progress": False, **cfg.sft.trainer, "mode": "sft",
-                                            "model_dir": base, "output_dir": run.sft / "train"})
         state = train(sft, pool, NoWeightSync(), offline=True)
     finally:
         pool.close()
@@ -160,24 +185,19 @@ def evaluate_once(cfg: JobConfig, run: RunDir, gateway_url: str, token: str, tag
     return report
 
 
-def train_rl(cfg: JobConfig, run: RunDir, policy: Path, gateway_url: str, token: str) -> None:
+def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> None:
     """Rollouts in a background thread, the trainer in this one, until rl_updates updates are done."""
     from datapool import open_pool
     from stepline.progress import RLProgress
     from stepline.rollouts import BackgroundRollouts
-    from trainer.config import TrainerConfig
     from trainer.loop import train
     from trainer.weight_sync import GatewayWeightSync
 
     if cfg.rl_updates == 0:
         return
-    tcfg = TrainerConfig.model_validate({"seed": cfg.seed, "checkpoint_every": 1, **cfg.trainer, "mode": "rl",
-                                         "progress": False, "model_dir": policy, "output_dir": run.rl,
-                                         "max_updates": cfg.rl_updates, "gateway_url": gateway_url,
-                                         "admin_token": token, "group_size": cfg.rollout.group_size})
     pool = open_pool(f"sqlite:///{run.pool_db}")
-    sync = GatewayWeightSync(gateway_url, token)
-    rollouts = BackgroundRollouts(cfg.rollout, gateway_url, token, run.root / "episodes", pool,
+    sync = GatewayWeightSync(tcfg.gateway_url, tcfg.admin_token)
+    rollouts = BackgroundRollouts(cfg.rollout, tcfg.gateway_url, tcfg.admin_token, run.root / "episodes", pool,
                                   batch_groups=tcfg.groups_per_update, ahead=cfg.groups_ahead)
     try:
         with RLProgress(run.rl / "metrics.jsonl", rollouts, cfg.rl_updates):
@@ -227,7 +247,7 @@ def run_command(job: Path, overrides: tuple[str, ...]) -> None:
 
     logging.basicConfig(level=os.environ.get("STEPLINE_LOG", "WARNING"))
     try:
-        cfg = load_job(job, _overrides(overrides))
+        summary = run_job(load_job(job, _overrides(overrides)))
     except JobError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(format_summary(run_job(cfg)))
+    click.echo(format_summary(summary))

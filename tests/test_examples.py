@@ -1,0 +1,37 @@
+"""Every example job file loads and validates (STYLE.md §4): a broken example is a broken README."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stepline.job import JobError, load_job
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.toml"))
+
+
+def test_the_examples_are_found() -> None:
+    assert len(EXAMPLES) == 2  # quickstart.toml, own_agent.toml
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_job_validates(path: Path) -> None:
+    cfg = load_job(path)
+    assert cfg.rollout.harnesses
+    assert cfg.run_dir.is_absolute()
+
+
+def test_a_bad_field_is_named(tmp_path: Path) -> None:
+    job = tmp_path / "bad.toml"
+    job.write_text('rl_updates = -1\n[rollout]\ngroup_size = 0\n')
+    with pytest.raises(JobError) as err:
+        load_job(job)
+    assert "rl_updates" in str(err.value) and "rollout.group_size" in str(err.value)
+
+
+def test_an_unknown_field_is_refused(tmp_path: Path) -> None:
+    job = tmp_path / "typo.toml"
+    job.write_text('rl_update = 3\n')
+    with pytest.raises(JobError, match="rl_update"):
+        load_job(job)
