@@ -112,8 +112,11 @@ class HermesStreamParser:
             self.state, self.started = "content", self.content_started
             return True
         if not final:
-            keep = max(_held_marker(self.buf, THINK_CLOSE), len(self.buf) - len(self.buf.rstrip("\n")))
-            self._reasoning(out, self.buf[: len(self.buf) - keep])
+            held = _held_marker(self.buf, THINK_CLOSE)
+            body = self.buf[: len(self.buf) - held]
+            keep = held + len(body) - len(body.rstrip("\n"))  # newlines before a possible </think> too
+            if len(self.buf) > keep:
+                self._reasoning(out, self.buf[: len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep:]
         return False
 
