@@ -92,20 +92,22 @@ class ChatTemplate:
         context = int(config.get("max_position_embeddings") or tok_config.get("model_max_length") or 4096)
         return cls(source, tokenizer, eos, stop_ids, context, str(config.get("model_type", "")))
 
-    def render(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    def render(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool,
+               options: dict[str, Any] | None = None) -> str:
+        """`options`: extra template variables (a request's chat_template_kwargs, e.g. enable_thinking)."""
         try:
             return self.template.render(
-                messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                bos_token="", eos_token=self.eos_token,
+                **(options or {}), messages=messages, tools=tools or None,
+                add_generation_prompt=add_generation_prompt, bos_token="", eos_token=self.eos_token,
             )
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(f"the chat template rejected the conversation: {exc}") from exc
         except (TypeError, AttributeError, KeyError, IndexError, jinja2.exceptions.UndefinedError) as exc:
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from exc
 
-    def continuation(self, messages: list[Message], tools: list[dict] | None) -> str:
+    def continuation(self, messages: list[Message], tools: list[dict] | None, options: dict[str, Any] | None = None) -> str:
         """Text of `messages` (appended after a finished assistant turn) plus the generation prompt."""
-        text = self.render(_STAND_IN + messages, tools, add_generation_prompt=True)
+        text = self.render(_STAND_IN + messages, tools, add_generation_prompt=True, options=options)
         at = text.find(_SENTINEL)
         end = text.find(self.eos_token, at) if at >= 0 else -1
         if end < 0:

@@ -71,10 +71,12 @@ def fingerprint(message: Message) -> bytes:
     return orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
 
 
-def chain(tools: list[dict] | None, messages: list[Message], known: tuple[list, list[int]] | None = None) -> list[int]:
-    """h_0..h_n: hashes of the tools and each prefix of the messages. `known` = (tools + messages, hashes)
-    of an earlier call: the prefix equal to it (compared as dicts, in C) is not fingerprinted again."""
-    head = hash(orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS))
+def chain(tools: list[dict] | None, messages: list[Message], known: tuple[list, list[int]] | None = None,
+          options: dict[str, Any] | None = None) -> list[int]:
+    """h_0..h_n: hashes of the tools (and template options) and each prefix of the messages. `known` =
+    (messages, hashes) of an earlier call: the prefix equal to it (compared as dicts, in C) is not
+    fingerprinted again."""
+    head = hash(orjson.dumps([tools or [], options or {}], option=orjson.OPT_SORT_KEYS))
     hashes, start = [head], 0
     if known is not None and known[1] and known[1][0] == head:
         earlier, earlier_hashes = known
@@ -99,18 +101,20 @@ class TokenState:
         self._texts: OrderedDict[str, np.ndarray] = OrderedDict()  # strict: rendered text -> its ids
         self._last: tuple[list, list[int]] | None = None  # the last call's messages and hash chain
 
-    def prompt_for(self, messages: list[Message], tools: list[dict] | None) -> Prompt:
+    def prompt_for(self, messages: list[Message], tools: list[dict] | None,
+                   options: dict[str, Any] | None = None) -> Prompt:
+        """`options`: extra template variables (chat_template_kwargs); part of the key of every turn."""
         if self.strict:
-            return self._strict_prompt(messages, tools)
-        hashes = chain(tools, messages, self._last)
+            return self._strict_prompt(messages, tools, options)
+        hashes = chain(tools, messages, self._last, options)
         self._last = (list(messages), hashes)  # turn N+1 fingerprints only what follows these
         if (ids := self._prompts.get(hashes[-1])) is not None:
             return Prompt(ids, len(ids), hashes[-1])
         for k in range(len(messages), 0, -1):
             if messages[k - 1].get("role") == "assistant" and (base := self._turns.get(hashes[k])) is not None:
-                new = self.template.encode(self.template.continuation(messages[k:], tools))
+                new = self.template.encode(self.template.continuation(messages[k:], tools, options))
                 return Prompt(np.concatenate([base, np.asarray(new, dtype=np.int32)]), len(base), hashes[-1])
-        text = self.template.render(messages, tools, add_generation_prompt=True)
+        text = self.template.render(messages, tools, add_generation_prompt=True, options=options)
         return Prompt(np.asarray(self.template.encode(text), dtype=np.int32), 0, hashes[-1])
 
     def remember(self, prompt: Prompt, answer: Message, output_ids: np.ndarray) -> None:
@@ -125,8 +129,8 @@ class TokenState:
         _put(self._prompts, prompt.key, prompt.ids, self.max_entries)
         _put(self._turns, hash((prompt.key, fingerprint(answer))), ids, self.max_entries)
 
-    def _strict_prompt(self, messages: list[Message], tools: list[dict] | None) -> Prompt:
-        text = self.template.render(messages, tools, add_generation_prompt=True)
+    def _strict_prompt(self, messages: list[Message], tools: list[dict] | None, options: dict[str, Any] | None) -> Prompt:
+        text = self.template.render(messages, tools, add_generation_prompt=True, options=options)
         if (ids := self._texts.get(text)) is not None:
             return Prompt(ids, len(ids), 0, text)
         best, base = "", _EMPTY

@@ -107,6 +107,10 @@ class ChatRequest(_Model):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM/SGLang extension, e.g. {"enable_thinking": false}
+
+
+RESERVED_TEMPLATE_NAMES = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 
 
 def text_of(content: str | list[TextPart] | None) -> str:
@@ -166,10 +170,14 @@ def to_call(req: ChatRequest, max_n: int) -> flow.ChatCall:
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     names = [t.function.name for t in req.tools or []]
     enabled = check_tool_choice(req.tool_choice, names)
+    options = req.chat_template_kwargs
+    if options and RESERVED_TEMPLATE_NAMES & options.keys():
+        raise invalid(f"chat_template_kwargs may not set {sorted(RESERVED_TEMPLATE_NAMES & options.keys())}",
+                      param="chat_template_kwargs")
     return flow.ChatCall(api="chat.completions", messages=to_messages(req.messages), tools=tools,
                          sampling=sampling_of(req.temperature, req.top_p, req.top_k, req.stop, req.seed),
                          max_tokens=req.max_completion_tokens or req.max_tokens, n=req.n, tools_enabled=enabled,
-                         stream=bool(req.stream))
+                         stream=bool(req.stream), template_options=options or None)
 
 
 def finish_reason(gen: Generation, parsed: ParsedOutput) -> str:

@@ -39,6 +39,7 @@ class ChatCall:
     n: int = 1
     tools_enabled: bool = True  # False for tool_choice "none": tool-call text stays text
     stream: bool = False
+    template_options: dict[str, Any] | None = None  # chat_template_kwargs (e.g. {"enable_thinking": false})
 
 
 @dataclass
@@ -81,7 +82,7 @@ def assistant_message(parsed: ParsedOutput) -> Message:
 
 def build_prompt(core: Core, session: Session, call: ChatCall) -> tuple[Prompt, list[SamplingParams]]:
     try:
-        prompt = session.tokens.prompt_for(call.messages, call.tools)
+        prompt = session.tokens.prompt_for(call.messages, call.tools, call.template_options)
     except TemplateError as exc:
         raise invalid(str(exc), param="messages") from None
     budget = core.max_new_tokens(len(prompt.ids), call.max_tokens)

@@ -168,3 +168,18 @@ def test_text_memory_reuses_prompt_and_answer_ids(template: ChatTemplate) -> Non
     memory.remember(p1, out, " there was")
     p2 = memory.prompt_for("Once upon a time there was a cat")
     assert p2.ids.tolist() == p1.ids.tolist() + out[:-1].tolist() + template.encode(" a cat")
+
+
+def test_template_options_reach_the_template_and_key_the_turns(template: ChatTemplate) -> None:
+    state = TokenState(template)
+    off = {"enable_thinking": False}
+    history = [{"role": "user", "content": "hi"}]
+    p1 = state.prompt_for(history, None, off)
+    assert template.decode(p1.ids.tolist()).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    out1 = answer(template, "Hello")
+    state.remember(p1, {"role": "assistant", "content": "Hello"}, out1)
+    history += [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "more"}]
+    p2 = state.prompt_for(history, None, off)
+    assert p2.ids.tolist()[: len(p1.ids) + len(out1)] == p1.ids.tolist() + out1.tolist()
+    assert template.decode(p2.ids.tolist()).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert state.prompt_for(history, None).reused == 0  # other options: another conversation
