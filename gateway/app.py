@@ -47,7 +47,7 @@ CORE_KEY = web.AppKey("core", Core)
 
 
 def _flavour(path: str) -> Flavour:
-    return "anthropic" if path.endswith("/messages") else "openai"
+    return "anthropic" if path.endswith(("/messages", "/messages/count_tokens")) else "openai"
 
 
 def _api(path: str) -> str:
@@ -94,6 +94,7 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
         for path, (_, handler) in MODEL_APIS.items():
             app.router.add_post(f"{prefix}/{path}", _model_route(core, handler))
         app.router.add_get(f"{prefix}/models", _model_route(core, list_models))
+        app.router.add_post(f"{prefix}/messages/count_tokens", _model_route(core, messages.count_tokens))
     app.router.add_routes(SessionRoutes(core).routes())
     app.router.add_get("/health", _model_route(core, health))
     app.router.add_routes(admin_routes(gate, settings.admin_token))

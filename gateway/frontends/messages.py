@@ -22,7 +22,7 @@ from gateway.frontends.chat import sampling_of
 from gateway.frontends.core import Core
 from gateway.frontends.errors import ApiError, error_body, from_validation, invalid
 from gateway.parsers.base import Event, ParsedOutput, ToolCall
-from gateway.templating import Message
+from gateway.templating import Message, TemplateError
 from gateway.tito import Prompt
 
 
@@ -266,3 +266,25 @@ async def handle(core: Core, request: web.Request) -> web.StreamResponse:
         return await flow.stream(core, request, session, call, raw, emitter)
     answer = await flow.run(core, session, call, raw, emitter)
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int = Field(1, ge=1)  # not part of a count request
+
+
+async def count_tokens(core: Core, request: web.Request) -> web.Response:
+    """`POST /v1/messages/count_tokens`: the prompt's length as the template renders it (no call, no record)."""
+    session = core.session_for(request)
+    raw = await request.read()
+    try:
+        req = CountTokensRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+    call = to_call(req)
+    del session  # attribution only: counting touches no session state
+    try:
+        text = core.template.render(call.messages, call.tools, add_generation_prompt=True)
+    except TemplateError as exc:
+        raise invalid(str(exc), param="messages") from None
+    return web.Response(body=orjson.dumps({"input_tokens": len(core.template.encode(text))}),
+                        content_type="application/json")

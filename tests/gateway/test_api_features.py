@@ -130,3 +130,19 @@ async def test_client_leaving_a_stream_records_nothing(qwen3_model_dir: Path, tm
         assert engine.in_flight == 0
         await served.flush()
         assert [o for _, o in served.calls(s["session_id"])] == [scripted(tok, "fine").output_ids]
+
+
+async def test_anthropic_count_tokens(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    import anthropic
+
+    tok = tokenizer(qwen3_model_dir)
+    async with fake_engine(tok, ["hi"]) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        client = anthropic.AsyncAnthropic(base_url=s["anthropic_base_url"], api_key=s["api_key"], max_retries=0)
+        messages = [{"role": "user", "content": "hello there"}]
+        counted = await client.messages.count_tokens(model="m", messages=messages, system="S")
+        made = await client.messages.create(model="m", max_tokens=4, messages=messages, system="S")
+        await client.close()
+        assert counted.input_tokens == made.usage.input_tokens
+        text = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+        assert counted.input_tokens == len(tok.encode(text, add_special_tokens=False).ids)
