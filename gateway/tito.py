@@ -41,11 +41,37 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 
 
 @dataclass(frozen=True)
+class Segments:
+    """Token ids as a chain of segments: each turn keeps only its new ids and points to the turn it
+    extends, so a session's token memory grows with its tokens, not with turns × context."""
+
+    parent: Segments | None
+    tail: np.ndarray  # int32: the ids this segment adds
+    length: int  # ids from the root through this segment
+
+    def extend(self, ids: np.ndarray) -> Segments:
+        return Segments(self, ids, self.length + len(ids))
+
+    def array(self) -> np.ndarray:
+        parts = []
+        node: Segments | None = self
+        while node is not None:
+            parts.append(node.tail)
+            node = node.parent
+        return parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
+
+
+def _root(ids: np.ndarray) -> Segments:
+    return Segments(None, ids, len(ids))
+
+
+@dataclass(frozen=True)
 class Prompt:
     ids: np.ndarray  # int32 [P]: the prompt the engine receives
     reused: int  # leading ids taken from an earlier call of the session (0: rendered from scratch)
     key: int  # hash of the tools + messages: with the answer's fingerprint, the key of the next turn
     text: str = ""  # the rendered prompt (strict mode only)
+    node: Segments | None = None  # the prompt in the session's segment chain (default mode)
 
 
 def _arguments(value: Any) -> Any:
@@ -96,8 +122,8 @@ class TokenState:
         self.template = template
         self.strict = strict
         self.max_entries = max_entries
-        self._prompts: OrderedDict[int, np.ndarray] = OrderedDict()  # h(messages) -> prompt ids
-        self._turns: OrderedDict[int, np.ndarray] = OrderedDict()  # h(messages + answer) -> ids through the answer
+        self._prompts: OrderedDict[int, Segments] = OrderedDict()  # h(messages) -> prompt ids
+        self._turns: OrderedDict[int, Segments] = OrderedDict()  # h(messages + answer) -> ids through the answer
         self._texts: OrderedDict[str, np.ndarray] = OrderedDict()  # strict: rendered text -> its ids
         self._last: tuple[list, list[int]] | None = None  # the last call's messages and hash chain
 
@@ -108,26 +134,29 @@ class TokenState:
             return self._strict_prompt(messages, tools, options)
         hashes = chain(tools, messages, self._last, options)
         self._last = (list(messages), hashes)  # turn N+1 fingerprints only what follows these
-        if (ids := self._prompts.get(hashes[-1])) is not None:
-            return Prompt(ids, len(ids), hashes[-1])
+        if (node := self._prompts.get(hashes[-1])) is not None:
+            return Prompt(node.array(), node.length, hashes[-1], node=node)
         for k in range(len(messages), 0, -1):
             if messages[k - 1].get("role") == "assistant" and (base := self._turns.get(hashes[k])) is not None:
                 new = self.template.encode(self.template.continuation(messages[k:], tools, options))
-                return Prompt(np.concatenate([base, np.asarray(new, dtype=np.int32)]), len(base), hashes[-1])
+                node = base.extend(np.asarray(new, dtype=np.int32))
+                return Prompt(node.array(), base.length, hashes[-1], node=node)
         text = self.template.render(messages, tools, add_generation_prompt=True, options=options)
-        return Prompt(np.asarray(self.template.encode(text), dtype=np.int32), 0, hashes[-1])
+        node = _root(np.asarray(self.template.encode(text), dtype=np.int32))
+        return Prompt(node.tail, 0, hashes[-1], node=node)
 
     def remember(self, prompt: Prompt, answer: Message, output_ids: np.ndarray) -> None:
         """Store a finished call. A turn the model did not close (length, stop string) gets the
         end-of-turn token appended, as the template would write it (an observation token)."""
-        ids = np.concatenate([prompt.ids, output_ids])
-        if len(output_ids) == 0 or int(output_ids[-1]) not in self.template.stop_token_ids:
-            ids = np.concatenate([ids, np.asarray([self.template.eos_id], dtype=np.int32)])
-        if self.strict:
-            _put(self._texts, prompt.text + self.template.decode(ids[len(prompt.ids):].tolist()), ids, self.max_entries)
+        tail = np.asarray(output_ids, dtype=np.int32)
+        if len(tail) == 0 or int(tail[-1]) not in self.template.stop_token_ids:
+            tail = np.concatenate([tail, np.asarray([self.template.eos_id], dtype=np.int32)])
+        if self.strict or prompt.node is None:
+            text = prompt.text + self.template.decode(tail.tolist())
+            _put(self._texts, text, np.concatenate([prompt.ids, tail]), self.max_entries)
             return
-        _put(self._prompts, prompt.key, prompt.ids, self.max_entries)
-        _put(self._turns, hash((prompt.key, fingerprint(answer))), ids, self.max_entries)
+        _put(self._prompts, prompt.key, prompt.node, self.max_entries)
+        _put(self._turns, hash((prompt.key, fingerprint(answer))), prompt.node.extend(tail), self.max_entries)
 
     def _strict_prompt(self, messages: list[Message], tools: list[dict] | None, options: dict[str, Any] | None) -> Prompt:
         text = self.template.render(messages, tools, add_generation_prompt=True, options=options)
@@ -175,7 +204,7 @@ class TextMemory:
         _put(self._exact, prompt.text, prompt.ids, self.max_entries)
 
 
-def _put(table: OrderedDict, key: Any, ids: np.ndarray, limit: int) -> None:
+def _put(table: OrderedDict, key: Any, ids: Any, limit: int) -> None:
     table[key] = ids
     table.move_to_end(key)
     while len(table) > limit:
