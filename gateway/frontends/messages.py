@@ -226,6 +226,8 @@ class MessagesEmitter:
                 out += _sse("content_block_delta", {"index": self.block, "delta": {
                     "type": "input_json_delta", "partial_json": event.tool_call.arguments}})
                 out += self._close()
+            elif event.kind == "reasoning" and not event.text:
+                continue  # an empty reasoning block gets no item/block, as in the whole answer
             elif event.kind == "reasoning":
                 if self.open_kind != "reasoning":
                     out += self._open("reasoning", {"type": "thinking", "thinking": "", "signature": ""})
@@ -240,7 +242,7 @@ class MessagesEmitter:
 
     def finish(self, index: int, final: Generation, parsed: ParsedOutput) -> bytes:
         out = self._close()
-        if self.block < 0:  # an empty answer still has one (empty) text block
+        if not parsed.content and not parsed.tool_calls:  # as the whole answer: an (empty) text block
             out += self._open("content", {"type": "text", "text": ""}) + self._close()
         reason, sequence = stop_reason(final, parsed)
         return out + _sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},

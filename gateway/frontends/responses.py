@@ -283,6 +283,8 @@ class ResponsesEmitter:
                 out += self._event("response.output_item.done",
                                    {"output_index": self.index, "item": _call_item(c.id, c.name, c.arguments, "completed")})
                 self.open_kind = None
+            elif event.kind == "reasoning" and not event.text:
+                continue  # an empty reasoning block gets no item/block, as in the whole answer
             elif event.kind == "reasoning":
                 if self.open_kind != "reasoning":
                     out += self._open("reasoning", {"type": "reasoning", "id": self.ids["reasoning"], "summary": []})
@@ -302,7 +304,7 @@ class ResponsesEmitter:
 
     def finish(self, index: int, final: Generation, parsed: ParsedOutput) -> bytes:
         out = self._close()
-        if self.index < 0:  # an empty answer is one empty message
+        if not parsed.content and not parsed.tool_calls:  # as the whole answer: one (empty) message
             out += self._open("message", _message_item(self.ids["message"], None, "in_progress")) + self._close()
         return out
 

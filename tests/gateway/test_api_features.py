@@ -146,3 +146,32 @@ async def test_anthropic_count_tokens(qwen3_model_dir: Path, tmp_path: Path) -> 
         assert counted.input_tokens == made.usage.input_tokens
         text = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
         assert counted.input_tokens == len(tok.encode(text, add_special_tokens=False).ids)
+
+
+EDGE_ANSWERS = ["<think>\n\n</think>\n\n", "<think>\nonly thinking\n</think>\n\n", "<think>\n\n</think>\n\nHi",
+                '<tool_call>\n{"name": "get", "arguments": {}}\n</tool_call>']
+
+
+async def test_streamed_blocks_and_items_match_the_whole_answer(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    import anthropic
+
+    tok = tokenizer(qwen3_model_dir)
+    doubled = [text for text in EDGE_ANSWERS for _ in range(4)]  # whole + stream, for each API
+    tools = [{"name": "get", "input_schema": {"type": "object"}}]
+    async with fake_engine(tok, doubled) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        claude = anthropic.AsyncAnthropic(base_url=s["anthropic_base_url"], api_key=s["api_key"], max_retries=0)
+        gpt = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key=s["api_key"], max_retries=0)
+        for text in EDGE_ANSWERS:
+            kwargs = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": text}], "tools": tools}
+            whole = await claude.messages.create(**kwargs)
+            async with claude.messages.stream(**kwargs) as stream:
+                streamed = await stream.get_final_message()
+            assert [b.type for b in streamed.content] == [b.type for b in whole.content], text
+            rkw = {"model": "m", "input": text, "tools": [{"type": "function", "name": "get", "parameters": {"type": "object"}}]}
+            whole_r = await gpt.responses.create(**rkw)
+            added = [e.item.type async for e in await gpt.responses.create(**rkw, stream=True)
+                     if e.type == "response.output_item.added"]
+            assert added == [o.type for o in whole_r.output], text
+        await claude.close()
+        await gpt.close()
