@@ -133,7 +133,9 @@ class Core:
             engine = self.router.for_session(session.info.session_id)
             streams = [engine.stream(ids, s) for s in samplings]
             merged = _indexed(streams[0]) if len(streams) == 1 else _merge(streams)
-            first = await anext(merged)
+            first = await anext(merged, None)
+            if first is None:
+                raise EngineError("the engine's stream ended without any output")
         except BaseException as exc:
             await admit.__aexit__(type(exc), exc, exc.__traceback__)
             if isinstance(exc, EngineError):
