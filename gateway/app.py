@@ -1,4 +1,4 @@
-"""The gateway's aiohttp application: routes, error answers, and the lifecycle of its components.
+"""The gateway's aiohttp application: routes and error answers, wired to the components it is given.
 
     create_app(settings, router, recorder, gate, model_dir) -> web.Application
 
