@@ -134,3 +134,24 @@ async def test_request_and_answer_are_recorded_compressed(qwen3_model_dir: Path,
         assert (record.api, record.call_index, record.finish_reason) == ("chat.completions", 0, "stop")
         assert record.sampling["seed"] == 3 and record.sampling["max_new_tokens"] == 4
         assert set(record.timings) >= {"received", "dispatched", "done"}
+
+
+async def test_calls_during_a_weight_update_wait_then_get_503(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    import asyncio
+
+    tok = tokenizer(qwen3_model_dir)
+    engine = fake_engine(tok, ["a"], update_delay=1.0)
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path, max_wait_paused=0.2) as served:
+        s = await served.session()
+        async with httpx.AsyncClient(base_url=served.url) as c:
+            update = asyncio.create_task(c.post("/admin/update_weights", json={"path": str(tmp_path), "version": 1},
+                                                headers={"Authorization": "Bearer adm"}))
+            await asyncio.sleep(0.2)
+            r = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {s['api_key']}"})
+            assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["message"].startswith("weights are being updated")
+            assert (await update).status_code == 200
+            r = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {s['api_key']}"})
+            assert r.status_code == 200
+        await served.flush()
+        assert len(served.calls(s["session_id"])) == 1
