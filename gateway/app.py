@@ -87,7 +87,8 @@ def _model_route(core: Core, handler: Handler) -> Callable[[web.Request], Awaita
 def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Recorder, gate: WeightGate,
                model_dir: Path) -> web.Application:
     template = load_template(model_dir)
-    core = Core(settings, router, recorder, gate, template, SessionStore(template, settings.strict_template))
+    sessions = SessionStore(template, settings.strict_template, settings.max_live_sessions)
+    core = Core(settings, router, recorder, gate, template, sessions)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
     app[CORE_KEY] = core
     for prefix in ("/v1", "/s/{session}/v1"):

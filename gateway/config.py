@@ -17,6 +17,9 @@ class GatewaySettings(BaseModel):
     )
     default_max_tokens: int = Field(1024, gt=0, description="max new tokens when a request names none")
     max_n: int = Field(16, ge=1, description="largest `n` (choices per call) accepted")
+    max_live_sessions: int = Field(
+        50_000, ge=1, description="open sessions keeping token memory; the least recently used beyond are dropped"
+    )
     strict_template: bool = Field(
         False,
         description="render every turn with the chat template (forks where the template rewrites history) "

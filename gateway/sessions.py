@@ -6,14 +6,18 @@ x-api-key) on `/v1/...`, or by an `X-Session-Id` header. A session key acts on i
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from datapool.records import SessionInfo
 from gateway.templating import ChatTemplate
 from gateway.tito import TextMemory, TokenState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,13 +37,19 @@ class Session:
 
 
 class SessionStore:
-    """In-memory index of the sessions this gateway created (the pool keeps the durable copy)."""
+    """In-memory index of the sessions this gateway created (the pool keeps the durable copy).
 
-    def __init__(self, template: ChatTemplate, strict_template: bool = False) -> None:
+    At most `max_live` open sessions keep token memory; past that, the least recently used one's is
+    dropped (logged): if it calls again, its history is rendered from the template, and its tree forks
+    wherever that differs from the model's own tokens."""
+
+    def __init__(self, template: ChatTemplate, strict_template: bool = False, max_live: int = 50_000) -> None:
         self.template = template
         self.strict_template = strict_template
+        self.max_live = max_live
         self._by_id: dict[str, Session] = {}
         self._by_key: dict[str, Session] = {}
+        self._live: OrderedDict[str, Session] = OrderedDict()  # sessions with token memory, least recent first
 
     def new(self, task_id: str, harness: str, group_id: str | None, metadata: dict) -> Session:
         info = SessionInfo(session_id="s-" + uuid.uuid4().hex, task_id=task_id, harness=harness,
@@ -56,15 +66,29 @@ class SessionStore:
     def get(self, session_id: str) -> Session | None:
         return self._by_id.get(session_id)
 
+    def touch(self, session: Session) -> None:
+        """A call of this session: keep its token memory, dropping the least recently used past max_live."""
+        self._live[session.info.session_id] = session
+        self._live.move_to_end(session.info.session_id)
+        while len(self._live) > self.max_live:
+            _, idle = self._live.popitem(last=False)
+            log.warning("session %s: token memory dropped (more than %d live sessions)", idle.info.session_id,
+                        self.max_live)
+            self._forget_tokens(idle)
+
+    def _forget_tokens(self, session: Session) -> None:
+        session.tokens = TokenState(self.template, self.strict_template)
+        session.texts = TextMemory(self.template)
+        session.responses.clear()
+
     def by_key(self, key: str) -> Session | None:
         return self._by_key.get(key)
 
     def end(self, session: Session) -> None:
         """Mark ended and free its token memory; the id stays known so later calls get a clear error."""
         session.ended = True
-        session.tokens = TokenState(self.template, self.strict_template)
-        session.texts = TextMemory(self.template)
-        session.responses.clear()
+        self._live.pop(session.info.session_id, None)
+        self._forget_tokens(session)
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -71,6 +71,7 @@ class Core:
             session = found
         if session.ended:
             raise ApiError(409, f"session {session.info.session_id} has ended", code="session_ended")
+        self.sessions.touch(session)
         return session
 
     @staticmethod

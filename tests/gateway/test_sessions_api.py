@@ -155,3 +155,21 @@ async def test_calls_during_a_weight_update_wait_then_get_503(qwen3_model_dir: P
             assert r.status_code == 200
         await served.flush()
         assert len(served.calls(s["session_id"])) == 1
+
+
+def test_token_memory_is_bounded_to_the_most_recent_sessions(qwen3_model_dir: Path) -> None:
+    import numpy as np
+
+    from gateway.sessions import SessionStore
+    from gateway.templating import load_template
+
+    store = SessionStore(load_template(qwen3_model_dir), max_live=1)
+    a, b = store.new("t", "h", None, {}), store.new("t", "h", None, {})
+    store.add(a)
+    store.add(b)
+    store.touch(a)
+    prompt = a.tokens.prompt_for([{"role": "user", "content": "hi"}], None)
+    a.tokens.remember(prompt, {"role": "assistant", "content": "x"}, np.asarray([151645], dtype=np.int32))
+    assert a.tokens.prompt_for([{"role": "user", "content": "hi"}], None).reused == len(prompt.ids)
+    store.touch(b)  # a is now the least recently used beyond the bound: its memory goes
+    assert a.tokens.prompt_for([{"role": "user", "content": "hi"}], None).reused == 0
