@@ -8,12 +8,14 @@ through the pool's own radix tree and steps view. A *training step* is forward +
 tokens' logprobs for all sessions:
 
 - tree:  each session's tree once, tree attention mask, one padded row per session (trainer.tree_forward);
-- naive: every step's full sequence (state + action) as its own row, right-padded, `rows` per forward —
-         how a trainer that treats each turn as one completion sees the data.
+- naive: every step's full sequence (state + action) as its own row, right-padded, `rows` per forward
+         (sorted by length, so padding is small) — how a trainer that treats each turn as one completion
+         sees the data.
 
-Both produce the same logprobs (checked, max |diff| printed). Peak memory is measured in a fresh
-subprocess per variant, above what the model and data hold (CUDA: max allocated; CPU: growth of the
-peak RSS). Printed side by side with ratios.
+Both produce the same logprobs (checked, max |diff| printed). Times: both variants in one process,
+alternating, best of --repeats (robust on a shared machine). Peak memory: one step in a fresh subprocess
+per variant, above what the model and data hold (CUDA: max allocated; CPU: growth of the peak RSS).
+Printed side by side with ratios.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def naive_rows(model, episodes, forest, rows: int) -> torch.Tensor:
     """Every step's full sequence as its own right-padded row, `rows` per forward; logprobs in forest order."""
     device = next(model.parameters()).device
     steps = [(e, traj, st) for e, ep in enumerate(episodes) for traj in ep.trajectories[:1] for st in traj.steps]
+    steps.sort(key=lambda x: x[2].action_end)  # rows of similar length together: the least padding
     out = torch.zeros(len(forest.targets), device=device)
     for i in range(0, len(steps), rows):
         chunk = steps[i : i + rows]
@@ -77,7 +80,7 @@ def naive_rows(model, episodes, forest, rows: int) -> torch.Tensor:
     return out
 
 
-def run(variant: str, args, model_dir: Path) -> dict:
+def _setup(args, model_dir: Path):
     from transformers import AutoModelForCausalLM
 
     device = torch.device(args.device)
@@ -85,32 +88,44 @@ def run(variant: str, args, model_dir: Path) -> dict:
     episodes = make_sessions(args.sessions, args.turns, args.prompt, args.action, args.obs, 3000, args.seed)
     forest = pack_forest(episodes)
 
-    def step() -> torch.Tensor:
+    def step(variant: str) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
         lp = forest_forward(model, forest, with_entropy=False).logprobs if variant == "tree" \
             else naive_rows(model, episodes, forest, args.rows)
         lp.sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return lp.detach()
 
-    # peak memory of the training step above what the model and data already hold
+    return device, forest, step
+
+
+def measure_time(args, model_dir: Path) -> dict:
+    """Both variants in one process, alternating, best of `repeats` each (the machine may be shared)."""
+    device, forest, step = _setup(args, model_dir)
+    out = {v: {"logprobs": step(v).cpu().tolist(), "times": []} for v in ("tree", "naive")}  # warm-up
+    for _ in range(args.repeats):
+        for v in ("tree", "naive"):
+            start = time.perf_counter()
+            step(v)
+            out[v]["times"].append(time.perf_counter() - start)
+    for v, forward_tokens in (("tree", forest.num_tokens), ("naive", forest.naive_tokens)):
+        out[v].update(seconds=min(out[v].pop("times")), action_tokens=len(forest.targets),
+                      forward_tokens=forward_tokens)
+    return out
+
+
+def measure_memory(variant: str, args, model_dir: Path) -> dict:
+    """Peak memory of one training step above what the model and data already hold (fresh process)."""
+    device, _, step = _setup(args, model_dir)
     if device.type == "cuda":
-        torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    logprobs = step()  # warm-up (and the values to compare)
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    step(variant)
     peak = (torch.cuda.max_memory_allocated() - base if device.type == "cuda"
             else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) * 1024)
-    return {"seconds": float(np.median(times)), "action_tokens": len(forest.targets),
-            "forward_tokens": forest.num_tokens if variant == "tree" else forest.naive_tokens,
-            "peak_bytes": int(peak), "logprobs": logprobs.cpu().tolist()}
+    return {"peak_bytes": int(peak)}
 
 
 def main() -> None:
@@ -123,24 +138,28 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--rows", type=int, default=8, help="naive: step sequences per forward")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", choices=["tree", "naive"], help=argparse.SUPPRESS)
+    p.add_argument("--only", choices=["time", "tree", "naive"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.only:
-        print(json.dumps(run(args.only, args, args.model_dir)))
+        result = measure_time(args, args.model_dir) if args.only == "time" else \
+            measure_memory(args.only, args, args.model_dir)
+        print(json.dumps(result))
         return
     from stepline.models import build_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "m", kind="tiny", hidden_size=args.hidden, num_layers=args.layers,
                                 num_heads=max(args.hidden // 64, 2), num_kv_heads=max(args.hidden // 128, 1))
-        results = {v: _subprocess(v, model_dir) for v in ("tree", "naive")}
+        results = _subprocess("time", model_dir)
+        for v in ("tree", "naive"):
+            results[v].update(_subprocess(v, model_dir))
     _report(args, results)
 
 
@@ -155,7 +174,7 @@ def _report(args, r: dict) -> None:
     diff = float(np.max(np.abs(np.array(tree["logprobs"]) - np.array(naive["logprobs"]))))
     print(f"{args.sessions} sessions × {args.turns} turns (prompt {args.prompt}, action {args.action}, "
           f"observation {args.obs} tokens); model hidden {args.hidden}, {args.layers} layers; {args.device}, "
-          f"{args.threads} threads; forward + backward, median of {args.repeats}")
+          f"{args.threads} threads; forward + backward, best of {args.repeats}")
     rows = [  # (name, tree, naive, format, tree's gain = naive/tree, or tree/naive for a rate)
         ("tokens through the model", tree["forward_tokens"], naive["forward_tokens"], "{:,.0f}", False),
         ("training step (s)", tree["seconds"], naive["seconds"], "{:.3f}", False),

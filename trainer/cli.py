@@ -69,6 +69,13 @@ def _explain(path: Path, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _quiet_hf() -> None:
+    """HF's own progress bars (loading, saving shards) would tear through the trainer's live bar."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def _sync(cfg: TrainerConfig):
     from trainer.weight_sync import GatewayWeightSync, NoWeightSync
 
@@ -83,6 +90,7 @@ def train_command(job: Path) -> None:
     from trainer.loop import train
 
     spec = load_job(job)
+    _quiet_hf()
     pool = open_pool(spec.pool.url)
     sync = _sync(spec.trainer)
     try:
@@ -107,6 +115,7 @@ def replay_command(job: Path, pool_file: Path) -> None:
     from trainer.weight_sync import NoWeightSync
 
     spec = load_job(job)
+    _quiet_hf()
     pool = open_pool(_replay_url(pool_file, spec.trainer.output_dir))
     try:
         state = train(spec.trainer, pool, NoWeightSync(), offline=True)

@@ -132,9 +132,11 @@ def idle_too_long(since: float, timeout: float | None) -> bool:
 
 
 def group_filter(cfg: TrainerConfig):
-    """Dynamic sampling (RL): a group whose outcomes do not vary carries no signal."""
+    """Evaluation sessions never train; dynamic sampling (RL): a group whose outcomes do not vary carries no signal."""
 
     def reason(group: Group) -> str | None:
+        if any(ep.info.metadata.get("eval") for ep in group.episodes):  # stepline eval marks its sessions
+            return "eval"
         if cfg.mode == "rl" and cfg.dynamic_sampling and not has_reward_variance([e.outcome for e in group.episodes]):
             return "no_variance"
         return None

@@ -155,3 +155,16 @@ def test_objective_defaults_match_the_config() -> None:
         key = {"aggregation": "loss_aggregation"}.get(name, name)
         if key in fields and name not in ("advantage_args",):
             assert fields[key].default == value, name
+
+
+def test_eval_and_flat_groups_are_filtered(tiny_model_dir: Path) -> None:
+    from trainer.loop import group_filter
+
+    varied, flat_group, evaluation = toy_groups(3)
+    for ep in flat_group.episodes:
+        ep.rewards[0].value = 0.5
+    evaluation.episodes[0].info.metadata["eval"] = True
+    keep = group_filter(TrainerConfig(model_dir=tiny_model_dir))
+    assert [keep(g) for g in (varied, flat_group, evaluation)] == [None, "no_variance", "eval"]
+    sft = group_filter(TrainerConfig(model_dir=tiny_model_dir, mode="sft"))
+    assert [sft(g) for g in (varied, flat_group, evaluation)] == [None, None, "eval"]
