@@ -146,6 +146,8 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"advantage_args: {unknown} not accepted by advantage {self.advantage!r}")
         if self.advantage == "gae" and not self.critic:
             raise ValueError("advantage 'gae' needs a critic: set critic = true")
+        if self.schedule != "constant" and self.max_updates is None:
+            raise ValueError(f"schedule {self.schedule!r} decays over max_updates: set max_updates")
         if self.overlong_max_len is not None and self.overlong_buffer >= self.overlong_max_len:
             raise ValueError("overlong_buffer must be smaller than overlong_max_len")
         return self

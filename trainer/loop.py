@@ -54,8 +54,12 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
             idle_since = time.monotonic()
             batch = build_batch(groups, keep_group=group_filter(cfg), shaping=shaping(cfg),
                                 keep_episode=episode_filter(cfg))
+            record_consumed(state, batch.sessions)  # skipped groups are consumed too: they never train
+            if not batch.episodes:
+                log.write(state.update, {f"skipped_{k}": float(v) for k, v in batch.skipped.items()})
+                continue
             metrics = update(policy, batch, objective(cfg, state.update, offline), state.version)
-            record_consumed(state, batch.sessions)
+            state.update, state.version = state.update + 1, state.version + 1
             if state.update % cfg.push_every == 0:
                 push_weights(cfg, policy, sync, state.version)
             if state.update % cfg.checkpoint_every == 0:
@@ -173,8 +177,6 @@ def objective(cfg: TrainerConfig, update_index: int, offline: bool) -> Objective
 
 
 def record_consumed(state: TrainerState, sessions: dict[str, list[str]]) -> None:
-    state.update += 1
-    state.version += 1
     state.consumed.update(sessions)
     state.unacked.extend(sessions)
 

@@ -29,6 +29,7 @@ def test_defaults_load(tiny_model_dir: Path) -> None:
     ({"advantage_args": {"gama": 0.9}}, "", "['gama'] not accepted"),
     ({"lr": 0}, "lr", "greater than 0"),
     ({"clip_hi": 0.3}, "clip_hi", "Extra inputs"),
+    ({"schedule": "cosine"}, "", "set max_updates"),
 ])
 def test_bad_fields_are_named(tiny_model_dir: Path, fields: dict, where: str, says: str) -> None:
     with pytest.raises(ValidationError) as info:

@@ -22,13 +22,15 @@ def test_toy_reward_goes_up(tiny_model_dir: Path, tmp_path: Path) -> None:
     # target set a fresh model hits ~25% of the time.
     pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}?synchronous=normal")
     cfg = TrainerConfig(model_dir=tiny_model_dir, output_dir=tmp_path / "run", lr=1e-2, groups_per_update=4,
-                        max_updates=20, checkpoint_every=10, progress=False, tensorboard=True, max_staleness=1)
+                        max_updates=20, checkpoint_every=10, progress=False, tensorboard=True, max_staleness=1,
+                        idle_timeout=10)
     engine = SamplerSync(tiny_model_dir, pool, None, tasks=4, samples=6)
     engine.target = toy_target(engine.model, vocab=3000, size=750)
     engine.start(version=0)
     state = train(cfg, pool, engine)
 
-    rewards = [json.loads(line)["reward_mean"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [m["reward_mean"] for m in lines if "reward_mean" in m]
     assert len(rewards) == 20 and state.update == 20
     assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.2, rewards
     assert [v for _, v in engine.pushes] == list(range(1, 21))
@@ -59,4 +61,17 @@ def test_metrics_per_update(tiny_model_dir: Path, tmp_path: Path) -> None:
     # two turns share the first prompt and answer: the tree forward packs 8+6+3+6 = 23 tokens per session
     # where the naive one processes (8+6) + (17+6) = 37
     assert abs(m["tree_token_saving"] - (1 - 23 / 37)) < 1e-6
+    pool.close()
+
+
+def test_groups_that_all_skip_are_consumed_without_an_update(tiny_model_dir: Path, tmp_path: Path) -> None:
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}?synchronous=normal")
+    engine = SamplerSync(tiny_model_dir, pool, torch.arange(4096), tasks=3, samples=2)  # every token hits: reward 1
+    engine.start(version=0)
+    cfg = TrainerConfig(model_dir=tiny_model_dir, output_dir=tmp_path / "run", progress=False, tensorboard=False)
+    state = train(cfg, pool, engine, offline=True)
+    assert state.update == 0 and len(state.consumed) == 3 and engine.pushes == []
+    assert pool.stats()["groups_consumed"] == 3
+    skipped = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert skipped == [{"update": 0, "time": skipped[0]["time"], "skipped_no_variance": 3.0}]
     pool.close()
