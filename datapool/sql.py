@@ -447,6 +447,15 @@ class SqlPool:
                 self._x(cur, "UPDATE sessions SET claim = NULL WHERE claim = ?", (gid,))
                 self._x(cur, "DELETE FROM groups WHERE group_id = ?", (gid,))
 
+    def reset_claims(self) -> int:
+        """Forget every hand-out (claimed, consumed and stale groups alike) so that a copy of a pool can be
+        trained on again from the start: offline replay of a finished run. Returns the sessions freed."""
+        self._writable(claims=True)
+        with self._transaction(write=True) as cur:
+            freed = self._x(cur, "UPDATE sessions SET claim = NULL WHERE claim IS NOT NULL").rowcount
+            self._x(cur, "DELETE FROM groups")
+        return int(freed)
+
     def _group_state(self, cur: Any, group_id: str, consumer: str) -> str:
         row = self._x(cur, "SELECT consumer, state FROM groups WHERE group_id = ?" + self.dialect.lock_rows,
                       (group_id,)).fetchone()

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,10 @@ def collect_demos(pool: Pool, model_dir: Path, specs: list[HarnessSpec], per_har
     written = {spec.name: 0 for spec in specs}
     with tempfile.TemporaryDirectory(prefix="stepline-demos-") as tmp:
         results = asyncio.run(_gather([s for s in specs if s.module], per_harness, concurrency, Path(tmp)))
-    for spec, task_id, result in results:
+    # round-robin over harnesses, so every SFT minibatch mixes them (the pool hands groups out in order)
+    by_harness = [[r for r in results if r[0].name == spec.name] for spec in specs]
+    interleaved = [row for rows in zip_longest(*by_harness) for row in rows if row is not None]
+    for spec, task_id, result in interleaved:
         if result is None:
             continue
         episode, reward = result

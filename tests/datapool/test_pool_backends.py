@@ -261,3 +261,18 @@ def test_random_batches_replay_exactly(pool_url, data):
         assert [(g.prompt_ids.tolist(), g.output_ids.tolist()) for g in got] == \
             [(w.prompt_ids.tolist(), w.output_ids.tolist()) for w in want]
     pool.close()
+
+
+def test_reset_claims_hands_every_group_out_again(pool):
+    if not hasattr(pool, "reset_claims"):
+        pytest.skip("reset_claims works on a local copy of a pool (SQLite/PostgreSQL), not through the service")
+    finish(pool, "a", task="t1")
+    finish(pool, "b", task="t2")
+    finish(pool, "c", task="t3", version=0)
+    first = pool.claim_groups("tr", min_version=0, max_groups=1)
+    pool.mark_consumed([first[0].group_id], "tr")
+    assert len(pool.claim_groups("tr", min_version=1, max_groups=5)) == 0  # the other two: stale now
+    assert pool.reset_claims() == 3
+    again = pool.claim_groups("replay", min_version=0, max_groups=5)
+    assert sorted(g.group_key for g in again) == ["t1::h", "t2::h", "t3::h"]
+    assert pool.stats()["groups_claimed"] == 3 and pool.stats()["groups_consumed"] == 0
