@@ -146,6 +146,9 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"advantage_args: {unknown} not accepted by advantage {self.advantage!r}")
         if self.advantage == "gae" and not self.critic:
             raise ValueError("advantage 'gae' needs a critic: set critic = true")
+        if self.push_every > self.max_staleness + 1:
+            raise ValueError(f"push_every ({self.push_every}) must be <= max_staleness + 1 ({self.max_staleness + 1}): "
+                             "otherwise every call the engine serves is already too stale to train on")
         if self.schedule != "constant" and self.max_updates is None:
             raise ValueError(f"schedule {self.schedule!r} decays over max_updates: set max_updates")
         if self.overlong_max_len is not None and self.overlong_buffer >= self.overlong_max_len:

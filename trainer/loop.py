@@ -40,9 +40,8 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
     state = resume(cfg.output_dir / "checkpoints", policy, pool, cfg.consumer, journal)
     if state.version > 0:
         push_weights(cfg, policy, sync, state.version)  # engines may have restarted on the base weights
-    log = MetricsLog(cfg.output_dir, cfg.tensorboard)
     idle_since = time.monotonic()
-    with progress_bar(cfg.max_updates, cfg.progress) as bar:
+    with MetricsLog(cfg.output_dir, cfg.tensorboard) as log, progress_bar(cfg.max_updates, cfg.progress) as bar:
         bar.update(0, completed=state.update)
         while cfg.max_updates is None or state.update < cfg.max_updates:
             groups = claim(pool, cfg, state, journal, offline)
@@ -68,7 +67,6 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
             bar.update(0, advance=1, description=f"reward {metrics['reward_mean']:.3f}  "
                                                   f"{metrics['tokens_per_s']:.0f} tok/s")
     checkpoint(cfg, policy, state, pool, journal)
-    log.close()
     return state
 
 

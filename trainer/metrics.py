@@ -35,6 +35,12 @@ class MetricsLog:
                 if math.isfinite(value):
                     self._tb.add_scalar(key, value, update)
 
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         self._jsonl.close()
         if self._tb is not None:

@@ -30,6 +30,7 @@ def test_defaults_load(tiny_model_dir: Path) -> None:
     ({"lr": 0}, "lr", "greater than 0"),
     ({"clip_hi": 0.3}, "clip_hi", "Extra inputs"),
     ({"schedule": "cosine"}, "", "set max_updates"),
+    ({"push_every": 3, "max_staleness": 1}, "", "push_every (3) must be <= max_staleness + 1"),
 ])
 def test_bad_fields_are_named(tiny_model_dir: Path, fields: dict, where: str, says: str) -> None:
     with pytest.raises(ValidationError) as info:
