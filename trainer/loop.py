@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,7 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
     if state.version > 0:
         push_weights(cfg, policy, sync, state.version)  # engines may have restarted on the base weights
     idle_since = time.monotonic()
+    carried: Counter = Counter()  # skip counts of batches that had nothing to train
     with MetricsLog(cfg.output_dir, cfg.tensorboard) as log, progress_bar(cfg.max_updates, cfg.progress) as bar:
         bar.update(0, completed=state.update)
         while cfg.max_updates is None or state.update < cfg.max_updates:
@@ -54,10 +56,12 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
             batch = build_batch(groups, keep_group=group_filter(cfg), shaping=shaping(cfg),
                                 keep_episode=episode_filter(cfg))
             record_consumed(state, batch.sessions)  # skipped groups are consumed too: they never train
-            if not batch.episodes:
-                log.write(state.update, {f"skipped_{k}": float(v) for k, v in batch.skipped.items()})
+            if not batch.episodes:  # nothing to train: its skip counts go with the next update's metrics
+                carried.update(batch.skipped)
                 continue
             metrics = update(policy, batch, objective(cfg, state.update, offline), state.version)
+            metrics.update({f"skipped_{k}": metrics.get(f"skipped_{k}", 0) + n for k, n in carried.items()})
+            carried.clear()
             state.update, state.version = state.update + 1, state.version + 1
             if state.update % cfg.push_every == 0:
                 push_weights(cfg, policy, sync, state.version)

@@ -1,4 +1,4 @@
-"""Observability: per-update metrics to JSONL and TensorBoard, and a live progress bar.
+"""Observability: per-update metrics to JSONL (one line per update) and TensorBoard, and a live progress bar.
 
     log = MetricsLog(output_dir, tensorboard=True)   # output_dir/metrics.jsonl, output_dir/tb/
     log.write(update, metrics); log.close()

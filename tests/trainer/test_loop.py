@@ -30,7 +30,7 @@ def test_toy_reward_goes_up(tiny_model_dir: Path, tmp_path: Path) -> None:
     state = train(cfg, pool, engine)
 
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    rewards = [m["reward_mean"] for m in lines if "reward_mean" in m]
+    rewards = [m["reward_mean"] for m in lines]
     assert len(rewards) == 20 and state.update == 20
     assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.2, rewards
     assert [v for _, v in engine.pushes] == list(range(1, 21))
@@ -72,6 +72,5 @@ def test_groups_that_all_skip_are_consumed_without_an_update(tiny_model_dir: Pat
     state = train(cfg, pool, engine, offline=True)
     assert state.update == 0 and len(state.consumed) == 3 and engine.pushes == []
     assert pool.stats()["groups_consumed"] == 3
-    skipped = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert skipped == [{"update": 0, "time": skipped[0]["time"], "skipped_no_variance": 3.0}]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""  # one line per update, and there was none
     pool.close()
