@@ -77,7 +77,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     for shard in sorted((path / "model").glob("*.safetensors")):
         weights.update(load_file(shard))
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = {k for k in missing if "lm_head" in k}  # tied embeddings are saved once
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    tied = {k for k in missing if tied and "lm_head" in k}  # tied embeddings are saved once
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
     extra = torch.load(path / "trainer.pt", weights_only=False)
