@@ -67,5 +67,8 @@ class Pool(Protocol):
     def mark_consumed(self, group_ids: list[str], consumer: str) -> None: ...
     def release_groups(self, group_ids: list[str], consumer: str) -> None:
         """Give back claimed but unconsumed groups (e.g. after a trainer restart)."""
+    def claimed_groups(self, consumer: str) -> list[str]:
+        """Ids of the groups handed to `consumer` and not yet consumed or released, oldest first: what a
+        trainer restarted after a crash gives back (it may have died before it learnt of a claim)."""
 
     def close(self) -> None: ...

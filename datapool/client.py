@@ -130,6 +130,9 @@ class PoolClient:
         self._write()
         self._call("release_groups", group_ids=group_ids, consumer=consumer)
 
+    def claimed_groups(self, consumer: str) -> list[str]:
+        return [str(g) for g in self._call("claimed_groups", consumer=consumer)]
+
     def close(self) -> None:
         self._http.close()
 

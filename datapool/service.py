@@ -50,6 +50,7 @@ def _methods(pool: Pool) -> dict[str, Callable[[dict], Any]]:
             a.get("leaf_rule", "drop_superseded")),
         "mark_consumed": lambda a: pool.mark_consumed(list(a["group_ids"]), a["consumer"]),
         "release_groups": lambda a: pool.release_groups(list(a["group_ids"]), a["consumer"]),
+        "claimed_groups": lambda a: pool.claimed_groups(a["consumer"]),
     }
 
 

@@ -456,6 +456,12 @@ class SqlPool:
             self._x(cur, "DELETE FROM groups")
         return int(freed)
 
+    def claimed_groups(self, consumer: str) -> list[str]:
+        with self._transaction(write=False) as cur:
+            rows = self._x(cur, "SELECT group_id FROM groups WHERE consumer = ? AND state = 'claimed'"
+                           " ORDER BY created_at, group_id", (consumer,)).fetchall()
+        return [str(r[0]) for r in rows]
+
     def _group_state(self, cur: Any, group_id: str, consumer: str) -> str:
         row = self._x(cur, "SELECT consumer, state FROM groups WHERE group_id = ?" + self.dialect.lock_rows,
                       (group_id,)).fetchone()
