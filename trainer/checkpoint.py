@@ -1,13 +1,12 @@
-"""Checkpoints and the claim journal: a trainer killed with -9 restarts where it stopped, and no group is
-trained twice or lost.
+"""Checkpoints: a trainer killed with -9 restarts where it stopped, and no group is trained twice or lost.
 
 The rule that makes it hold: *consumed* is committed together with the model. A group that was claimed
 and trained goes into the checkpoint's `consumed` list; only after that checkpoint is on disk is it
-marked consumed in the pool. Every claim is first appended (fsync'd) to a journal, so after a crash the
-trainer knows what it held:
+marked consumed in the pool. After a crash the restarted trainer asks the pool which groups it still
+holds (`Pool.claimed_groups`):
 
-    claimed, not in the checkpoint  -> the model that trained it is lost: release it, it trains again
     in the checkpoint               -> trained into the restored model: (re-)mark it consumed, never again
+    claimed, not in the checkpoint  -> the model that trained it is lost (or it never arrived): release it
 
 A checkpoint is a directory `ckpt-{update:06d}` (HF model in safetensors, optimizer, scheduler, value head,
 RNG states, `state.json`) written under a temporary name and renamed; `latest` names the newest one and
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["ClaimJournal", "TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 
 @dataclass
@@ -88,34 +87,6 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         value_head.load_state_dict(extra["value_head"])
     _set_rng_state(extra["rng"])
     return TrainerState(**json.loads((path / "state.json").read_text()))
-
-
-class ClaimJournal:
-    """Append-only record of claimed group ids, fsync'd before the groups are used."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def record(self, group_ids: list[str]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(group_ids) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    def claimed(self) -> list[str]:
-        if not self.path.is_file():
-            return []
-        ids: list[str] = []
-        for line in self.path.read_text().splitlines():
-            try:
-                ids.extend(json.loads(line))
-            except json.JSONDecodeError:  # a line torn by the crash was never acted on
-                continue
-        return ids
-
-    def reset(self) -> None:
-        _atomic_write(self.path, "")
 
 
 def _rng_state() -> dict[str, Any]:

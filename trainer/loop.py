@@ -23,7 +23,7 @@ from datapool.base import Pool
 from datapool.records import Group
 from trainer.algorithms import has_reward_variance, overlong_penalty
 from trainer.batch import action_tokens, build_batch
-from trainer.checkpoint import ClaimJournal, TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.critic import ValueHead
 from trainer.metrics import MetricsLog, progress_bar
@@ -37,8 +37,7 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
     """Train until `max_updates`, or until the pool stays empty for `idle_timeout` (`offline`: at once)."""
     seed_everything(cfg.seed)
     policy = build_policy(cfg)
-    journal = ClaimJournal(cfg.output_dir / "claims.jsonl")
-    state = resume(cfg.output_dir / "checkpoints", policy, pool, cfg.consumer, journal)
+    state = resume(cfg.output_dir / "checkpoints", policy, pool, cfg.consumer)
     if state.version > 0:
         push_weights(cfg, policy, sync, state.version)  # engines may have restarted on the base weights
     idle_since = time.monotonic()
@@ -46,7 +45,7 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
     with MetricsLog(cfg.output_dir, cfg.tensorboard) as log, progress_bar(cfg.max_updates, cfg.progress) as bar:
         bar.update(0, completed=state.update)
         while cfg.max_updates is None or state.update < cfg.max_updates:
-            groups = claim(pool, cfg, state, journal, offline)
+            groups = claim(pool, cfg, state, offline)
             if not groups:
                 if offline or idle_too_long(idle_since, cfg.idle_timeout):
                     break
@@ -66,11 +65,11 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
             if state.update % cfg.push_every == 0:
                 push_weights(cfg, policy, sync, state.version)
             if state.update % cfg.checkpoint_every == 0:
-                checkpoint(cfg, policy, state, pool, journal)
+                checkpoint(cfg, policy, state, pool)
             log.write(state.update, metrics)
             bar.update(0, advance=1, description=f"reward {metrics['reward_mean']:.3f}  "
                                                   f"{metrics['tokens_per_s']:.0f} tok/s")
-    checkpoint(cfg, policy, state, pool, journal)
+    checkpoint(cfg, policy, state, pool)
     return state
 
 
@@ -108,29 +107,26 @@ def build_policy(cfg: TrainerConfig) -> Policy:
     return Policy(model=model, optimizer=optimizer, scheduler=scheduler, value_head=value_head, reference=reference)
 
 
-def resume(root: Path, policy: Policy, pool: Pool, consumer: str, journal: ClaimJournal) -> TrainerState:
-    """Restore the latest checkpoint and settle the claims the previous run held (see trainer.checkpoint)."""
+def resume(root: Path, policy: Policy, pool: Pool, consumer: str) -> TrainerState:
+    """Restore the latest checkpoint and settle the claims the previous run held (see trainer.checkpoint).
+    The consumer name must belong to this trainer alone: its open claims are released here."""
     path = latest_checkpoint(root)
     state = TrainerState()
     if path is not None:
         state = load_checkpoint(path, policy.model, policy.optimizer, policy.scheduler, policy.value_head)
     if state.unacked:
         pool.mark_consumed(state.unacked, consumer)
-    lost = sorted(set(journal.claimed()) - set(state.consumed))
+    lost = [g for g in pool.claimed_groups(consumer) if g not in state.consumed]
     if lost:
         pool.release_groups(lost, consumer)
-    journal.reset()
     return state
 
 
-def claim(pool: Pool, cfg: TrainerConfig, state: TrainerState, journal: ClaimJournal, offline: bool) -> list[Group]:
+def claim(pool: Pool, cfg: TrainerConfig, state: TrainerState, offline: bool) -> list[Group]:
     # offline replay trains on stored data of any age; online, the staleness bound applies
     min_version = -(2**31) if offline else state.version - cfg.max_staleness
-    groups = pool.claim_groups(cfg.consumer, min_version=min_version, max_groups=cfg.groups_per_update,
-                               group_size=cfg.group_size, leaf_rule=cfg.leaf_rule)
-    if groups:
-        journal.record([g.group_id for g in groups])
-    return groups
+    return pool.claim_groups(cfg.consumer, min_version=min_version, max_groups=cfg.groups_per_update,
+                             group_size=cfg.group_size, leaf_rule=cfg.leaf_rule)
 
 
 def idle_too_long(since: float, timeout: float | None) -> bool:
@@ -188,12 +184,11 @@ def push_weights(cfg: TrainerConfig, policy: Policy, sync: WeightSync, version: 
     sync.push(path, version)
 
 
-def checkpoint(cfg: TrainerConfig, policy: Policy, state: TrainerState, pool: Pool, journal: ClaimJournal) -> None:
+def checkpoint(cfg: TrainerConfig, policy: Policy, state: TrainerState, pool: Pool) -> None:
     """Model and `consumed` land on disk together; only then does the pool hear that the groups are consumed."""
     save_checkpoint(cfg.output_dir / "checkpoints", state, policy.model, policy.optimizer, policy.scheduler,
                     policy.value_head)
     if state.unacked:
         pool.mark_consumed(state.unacked, cfg.consumer)
         state.unacked = []
-    journal.reset()
 

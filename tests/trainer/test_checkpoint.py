@@ -15,9 +15,10 @@ from trainer_helpers import rollout, toy_target
 from transformers import AutoModelForCausalLM
 
 from datapool import open_pool
-from trainer.checkpoint import ClaimJournal, TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
-from trainer.loop import build_policy
+from trainer.loop import build_policy, train
+from trainer.weight_sync import NoWeightSync
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,14 +42,19 @@ def test_checkpoint_round_trip(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert b.optimizer.param_groups[0]["lr"] == 0.123
 
 
-def test_journal_survives_a_torn_line(tmp_path: Path) -> None:
-    journal = ClaimJournal(tmp_path / "claims.jsonl")
-    journal.record(["a", "b"])
-    with open(journal.path, "a") as f:
-        f.write('["c", "d')  # the crash came mid-write: that claim was never acted on
-    assert journal.claimed() == ["a", "b"]
-    journal.reset()
-    assert journal.claimed() == []
+def test_restart_releases_claims_it_never_learnt_of(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # a trainer died right after the pool committed its claim: the restarted one releases and trains those groups
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    rollout(model, pool, 0, toy_target(model, 3000, 750), tasks=3, samples=2, tokens=3)
+    orphans = pool.claim_groups("trainer", min_version=0, max_groups=2)
+    cfg = TrainerConfig(model_dir=tiny_model_dir, output_dir=tmp_path / "run", groups_per_update=3,
+                        dynamic_sampling=False, progress=False, tensorboard=False)
+    state = train(cfg, pool, NoWeightSync(), offline=True)
+    assert state.update == 1 and sorted(s for m in state.consumed.values() for s in m) == \
+        sorted(s.session_id for s in pool.list_sessions())
+    assert pool.claimed_groups("trainer") == [] and len(orphans) == 2
+    pool.close()
 
 
 def test_kill_9_then_restart_trains_every_group_once(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -162,46 +162,6 @@ def sample_batch(model, prompts: torch.Tensor, n: int, temperature: float = 1.0,
     return torch.cat(out, 1), torch.cat(lps, 1)
 
 
-class FakePool:
-    """The trainer's side of the pool interface over prepared groups (claim, consume, release)."""
-
-    def __init__(self, groups=()) -> None:
-        self.groups = {g.group_id: g for g in groups}
-        self.claimed: dict[str, str] = {}
-        self.consumed: set[str] = set()
-        self.stale: set[str] = set()
-
-    def add(self, group) -> None:
-        self.groups[group.group_id] = group
-
-    def claim_groups(self, consumer, min_version, max_groups, group_size=None, leaf_rule="drop_superseded"):
-        out = []
-        for gid, g in self.groups.items():
-            if gid in self.claimed or gid in self.consumed or gid in self.stale:
-                continue
-            if g.min_version < min_version:
-                self.stale.add(gid)
-                continue
-            if len(out) < max_groups:
-                self.claimed[gid] = consumer
-                out.append(g)
-        return out
-
-    def mark_consumed(self, group_ids, consumer) -> None:
-        for gid in group_ids:
-            assert self.claimed.get(gid) == consumer or gid in self.consumed
-            self.consumed.add(gid)
-            self.claimed.pop(gid, None)
-
-    def release_groups(self, group_ids, consumer) -> None:
-        for gid in group_ids:
-            assert self.claimed.get(gid) == consumer
-            del self.claimed[gid]
-
-    def close(self) -> None:
-        pass
-
-
 def toy_target(model, vocab: int, size: int, seed: int = 0) -> torch.Tensor:
     """A learnable toy target: the `size` tokens whose output embedding points most along a random
     direction (a fresh tiny model samples them at about size/vocab; raising them all is one direction)."""
