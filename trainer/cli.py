@@ -116,7 +116,10 @@ def replay_command(job: Path, pool_file: Path) -> None:
 
     spec = load_job(job)
     _quiet_hf()
-    pool = open_pool(_replay_url(pool_file, spec.trainer.output_dir))
+    url, fresh = _replay_url(pool_file, spec.trainer.output_dir)
+    pool = open_pool(url)
+    if fresh:  # the stored run consumed its groups; its copy hands every group out again
+        pool.reset_claims()
     try:
         state = train(spec.trainer, pool, NoWeightSync(), offline=True)
     finally:
@@ -124,13 +127,15 @@ def replay_command(job: Path, pool_file: Path) -> None:
     click.echo(f"replayed {len(state.consumed)} groups in {state.update} updates; output in {spec.trainer.output_dir}")
 
 
-def _replay_url(pool_file: Path, output_dir: Path) -> str:
+def _replay_url(pool_file: Path, output_dir: Path) -> tuple[str, bool]:
+    """(URL of the pool to replay, whether it is a fresh copy whose claims should be reset)."""
     with open(pool_file, "rb") as f:
         is_sqlite = f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
     if not is_sqlite:
-        return str(pool_file)  # an export file: loaded in memory, claims not persisted
+        return str(pool_file), True  # an export file: loaded in memory, claims not persisted
     copy = Path(output_dir) / "replay-pool.db"
-    if not copy.exists():
+    fresh = not copy.exists()
+    if fresh:
         copy.parent.mkdir(parents=True, exist_ok=True)
         tmp = copy.with_suffix(".tmp")
         # SQLite's backup API: a consistent copy, including commits still in the source's WAL
@@ -138,4 +143,4 @@ def _replay_url(pool_file: Path, output_dir: Path) -> str:
                 closing(sqlite3.connect(tmp)) as dst:
             src.backup(dst)
         tmp.rename(copy)
-    return f"sqlite:///{copy.resolve()}"
+    return f"sqlite:///{copy.resolve()}", fresh

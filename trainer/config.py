@@ -39,6 +39,8 @@ class TrainerConfig(BaseModel):
                                                                  description="which leaves of a tree train")
     max_staleness: int = Field(4, description="train only on data at most this many versions behind the policy")
     dynamic_sampling: bool = Field(True, description="skip groups whose rewards do not vary (no signal)")
+    full_batches: bool = Field(True, description="online: wait until groups_per_update trainable groups are claimed "
+                                                 "(with dynamic sampling, keep drawing past skipped groups)")
     overlong_max_len: int | None = Field(None, ge=1, description="DAPO overlong shaping: max trajectory tokens")
     overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: soft-penalty buffer before max")
     overlong_factor: float = Field(1.0, ge=0, description="DAPO overlong shaping: penalty at max_len")

@@ -42,18 +42,26 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
         push_weights(cfg, policy, sync, state.version)  # engines may have restarted on the base weights
     idle_since = time.monotonic()
     carried: Counter = Counter()  # skip counts of batches that had nothing to train
+    pending: list[Group] = []  # claimed groups waiting for a full batch (online, full_batches)
+    keep = group_filter(cfg)
     with MetricsLog(cfg.output_dir, cfg.tensorboard) as log, progress_bar(cfg.max_updates, cfg.progress) as bar:
         bar.update(0, completed=state.update)
         while cfg.max_updates is None or state.update < cfg.max_updates:
-            groups = claim(pool, cfg, state, offline)
-            if not groups:
-                if offline or idle_too_long(idle_since, cfg.idle_timeout):
+            trainable = sum(keep(g) is None for g in pending)
+            groups = claim(pool, cfg, state, offline, cfg.groups_per_update - trainable)
+            if groups:
+                idle_since = time.monotonic()
+                pending += groups
+                trainable += sum(keep(g) is None for g in groups)
+            idle = idle_too_long(idle_since, cfg.idle_timeout)
+            full = offline or not cfg.full_batches or trainable >= cfg.groups_per_update or idle
+            if not (pending and full):
+                if offline or idle:
                     break
                 time.sleep(cfg.poll_interval)
                 continue
-            idle_since = time.monotonic()
-            batch = build_batch(groups, keep_group=group_filter(cfg), shaping=shaping(cfg),
-                                keep_episode=episode_filter(cfg))
+            batch = build_batch(pending, keep_group=keep, shaping=shaping(cfg), keep_episode=episode_filter(cfg))
+            pending = []
             record_consumed(state, batch.sessions)  # skipped groups are consumed too: they never train
             if not batch.episodes:  # nothing to train: its skip counts go with the next update's metrics
                 carried.update(batch.skipped)
@@ -122,10 +130,10 @@ def resume(root: Path, policy: Policy, pool: Pool, consumer: str) -> TrainerStat
     return state
 
 
-def claim(pool: Pool, cfg: TrainerConfig, state: TrainerState, offline: bool) -> list[Group]:
+def claim(pool: Pool, cfg: TrainerConfig, state: TrainerState, offline: bool, wanted: int) -> list[Group]:
     # offline replay trains on stored data of any age; online, the staleness bound applies
     min_version = -(2**31) if offline else state.version - cfg.max_staleness
-    return pool.claim_groups(cfg.consumer, min_version=min_version, max_groups=cfg.groups_per_update,
+    return pool.claim_groups(cfg.consumer, min_version=min_version, max_groups=max(wanted, 1),
                              group_size=cfg.group_size, leaf_rule=cfg.leaf_rule)
 
 

@@ -41,6 +41,22 @@ def test_replay_trains_offline_from_a_stored_pool(tiny_model_dir: Path, tmp_path
     pool.close()
 
 
+def test_replay_of_a_finished_run_trains_on_the_groups_it_consumed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    stored = tmp_path / "run.db"
+    pool = open_pool(f"sqlite:///{stored}")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    rollout(model, pool, 0, toy_target(model, 3000, 750), tasks=4, samples=2, tokens=3)
+    online = pool.claim_groups("trainer", min_version=0, max_groups=4)  # the online trainer took them all
+    pool.mark_consumed([g.group_id for g in online], "trainer")
+    pool.close()
+    job = tmp_path / "job.toml"
+    job.write_text(f'[trainer]\nmodel_dir = "{tiny_model_dir}"\noutput_dir = "replay"\ngroups_per_update = 2\n'
+                   'progress = false\ntensorboard = false\ndynamic_sampling = false\n')
+    result = CliRunner().invoke(main, ["replay", str(job), "--pool", str(stored)])
+    assert result.exit_code == 0, result.output
+    assert "replayed 4 groups in 2 updates" in result.output
+
+
 def test_bad_job_fails_before_anything_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
     job = tmp_path / "job.toml"
     job.write_text(f'[trainer]\nmodel_dir = "{tiny_model_dir}"\nadvantage = "nope"\ngroups_per_update = 3\n'

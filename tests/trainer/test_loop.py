@@ -74,3 +74,32 @@ def test_groups_that_all_skip_are_consumed_without_an_update(tiny_model_dir: Pat
     assert pool.stats()["groups_consumed"] == 3
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""  # one line per update, and there was none
     pool.close()
+
+
+def test_online_updates_wait_for_a_full_batch(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Groups arrive one at a time from a rollout thread; with groups_per_update = 3 the first (and only)
+    # update trains on all three, not on whatever was ready when the trainer first looked.
+    import threading
+    import time
+
+    from trainer.weight_sync import NoWeightSync
+    from trainer_helpers import rollout
+
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}?synchronous=normal")
+    model = SamplerSync(tiny_model_dir, pool, None).model
+    target = toy_target(model, vocab=3000, size=750)
+
+    def arrive() -> None:
+        for k in range(3):
+            rollout(model, pool, 0, target, tasks=1, samples=4, tag=f"g{k}-")
+            time.sleep(0.3)
+
+    producer = threading.Thread(target=arrive)
+    producer.start()
+    cfg = TrainerConfig(model_dir=tiny_model_dir, output_dir=tmp_path / "run", groups_per_update=3, max_updates=1,
+                        dynamic_sampling=False, poll_interval=0.05, progress=False, tensorboard=False)
+    train(cfg, pool, NoWeightSync())
+    producer.join()
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["groups"] == 3 and first["episodes"] == 12
+    pool.close()
