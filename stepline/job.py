@@ -63,6 +63,8 @@ class JobConfig(_Section):
     seed: int = Field(0, description="seed of the job (model, rollouts, trainer)")
     rl_updates: int = Field(10, ge=0, description="policy updates of the RL phase")
     groups_ahead: int = Field(1, ge=1, description="finished rollout batches that may wait for the trainer")
+    max_batches_per_update: int = Field(3, ge=1, description="rollout batches per RL update at most (dynamic sampling "
+                                        "draws more when groups have no reward variance); then the job winds down")
     model: ModelSection = ModelSection()
     sft: SFTSection = SFTSection()
     services: ServicesSection = ServicesSection()

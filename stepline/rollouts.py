@@ -3,7 +3,8 @@
 The driver runs batches of `batch_groups` groups, one after another, and starts a new batch only while
 fewer than `ahead` batches' worth of finished groups wait unclaimed in the pool: with ahead=1 the next
 batch is rolled out while the trainer updates on the previous one (one-step off-policy; the trainer's
-staleness bound checks it).
+staleness bound checks it). After `max_batches` batches it stops; the trainer then goes idle and ends,
+so a job whose groups never vary (nothing to learn from) still finishes.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ __all__ = ["BackgroundRollouts"]
 
 class BackgroundRollouts:
     def __init__(self, config: RolloutConfig, gateway_url: str, admin_token: str, work_dir: Path, pool: Pool,
-                 batch_groups: int, ahead: int) -> None:
+                 batch_groups: int, ahead: int, max_batches: int | None = None) -> None:
         self.config, self.gateway_url, self.admin_token = config, gateway_url, admin_token
         self.work_dir, self.pool = Path(work_dir), pool
-        self.batch_groups, self.ahead = batch_groups, ahead
+        self.batch_groups, self.ahead, self.max_batches = batch_groups, ahead, max_batches
         self.driver: RolloutDriver | None = None
         self.history: list[dict[str, Any]] = []  # one row per finished episode, with its time
         self.error: BaseException | None = None
@@ -66,7 +67,7 @@ class BackgroundRollouts:
         async with GatewayClient(self.gateway_url, self.admin_token) as gateway:
             self.driver = RolloutDriver(self.config, gateway, self.work_dir)
             batches = 0
-            while not self._stop.is_set():
+            while not self._stop.is_set() and (self.max_batches is None or batches < self.max_batches):
                 waiting = batches * self.batch_groups - (await asyncio.to_thread(self._taken) - self._baseline)
                 if waiting >= self.ahead * self.batch_groups:
                     await asyncio.sleep(0.2)

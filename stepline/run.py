@@ -91,7 +91,8 @@ def trainer_configs(cfg: JobConfig, run: RunDir, base: Path):
     tables = {
         "sft.trainer": {"seed": cfg.seed, "progress": False, **cfg.sft.trainer, "mode": "sft", "model_dir": base,
                         "output_dir": run.sft / "train"},
-        "trainer": {"seed": cfg.seed, "checkpoint_every": 1, **cfg.trainer, "mode": "rl", "progress": False,
+        "trainer": {"seed": cfg.seed, "checkpoint_every": 1, "idle_timeout": 120.0, **cfg.trainer, "mode": "rl",
+                    "progress": False,
                     "model_dir": base, "output_dir": run.rl, "max_updates": max(cfg.rl_updates, 1),
                     "group_size": cfg.rollout.group_size},
     }
@@ -198,7 +199,8 @@ def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> None:
     pool = open_pool(f"sqlite:///{run.pool_db}")
     sync = GatewayWeightSync(tcfg.gateway_url, tcfg.admin_token)
     rollouts = BackgroundRollouts(cfg.rollout, tcfg.gateway_url, tcfg.admin_token, run.root / "episodes", pool,
-                                  batch_groups=tcfg.groups_per_update, ahead=cfg.groups_ahead)
+                                  batch_groups=tcfg.groups_per_update, ahead=cfg.groups_ahead,
+                                  max_batches=cfg.rl_updates * cfg.max_batches_per_update)
     try:
         with RLProgress(run.rl / "metrics.jsonl", rollouts, cfg.rl_updates):
             rollouts.start()
