@@ -16,7 +16,6 @@ import os
 import secrets
 import tomllib
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -32,33 +31,17 @@ __all__ = ["run_command", "run_job"]
 log = logging.getLogger("stepline.run")
 
 
-@dataclass(frozen=True)
 class RunDir:
-    root: Path
+    """Where each phase of a run keeps its result (its presence is what a resumed job skips)."""
 
-    @property
-    def base_model(self) -> Path:
-        return self.root / "model-base"
-
-    @property
-    def sft(self) -> Path:
-        return self.root / "sft"
-
-    @property
-    def sft_model(self) -> Path:
-        return self.root / "model-sft"
-
-    @property
-    def rl(self) -> Path:
-        return self.root / "rl"
-
-    @property
-    def pool_db(self) -> Path:
-        return self.root / "pool.db"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.base_model = root / "model-base"
+        self.sft = root / "sft"  # demonstrations pool and the SFT trainer's output
+        self.sft_model = root / "model-sft"
+        self.rl = root / "rl"  # the RL trainer's output: metrics, checkpoints, pushed weights
+        self.pool_db = root / "pool.db"
+        self.logs = root / "logs"
 
     def eval_file(self, tag: str) -> Path:
         return self.root / "eval" / f"{tag}.json"
