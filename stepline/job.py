@@ -86,7 +86,7 @@ def load_job(path: Path, overrides: dict[str, Any] | None = None) -> JobConfig:
             table = table.setdefault(key, {})
         table[leaf] = value
     base = Path(path).resolve().parent
-    raw["run_dir"] = str(base / raw.get("run_dir", "runs/job"))
+    raw["run_dir"] = str((base / raw.get("run_dir", "runs/job")).resolve())
     if raw.get("model", {}).get("dir"):
         raw["model"]["dir"] = str(base / raw["model"]["dir"])
     try:

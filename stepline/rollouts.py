@@ -34,6 +34,8 @@ class BackgroundRollouts:
         self.history: list[dict[str, Any]] = []  # one row per finished episode, with its time
         self.error: BaseException | None = None
         self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._halt: asyncio.Event | None = None  # the driver's stop signal, set from stop()
         self._thread = threading.Thread(target=self._main, name="rollouts", daemon=True)
         self._started = time.time()
         self._baseline = 0  # groups the pool had taken before this run (a resumed job)
@@ -43,8 +45,10 @@ class BackgroundRollouts:
         self._thread.start()
 
     def stop(self, timeout: float = 120.0) -> None:
-        """Let the running batch finish (its episodes end properly), then return."""
+        """Start no new group; let the running episodes end properly (rewarded, ended), then return."""
         self._stop.set()
+        if self._loop is not None and self._halt is not None:
+            self._loop.call_soon_threadsafe(self._halt.set)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -64,6 +68,7 @@ class BackgroundRollouts:
 
     async def _loop(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._loop, self._halt = asyncio.get_running_loop(), asyncio.Event()
         async with GatewayClient(self.gateway_url, self.admin_token) as gateway:
             self.driver = RolloutDriver(self.config, gateway, self.work_dir)
             batches = 0
@@ -73,7 +78,7 @@ class BackgroundRollouts:
                     await asyncio.sleep(0.2)
                     continue
                 seen = len(self.driver.results)
-                await self.driver.run(self.batch_groups)
+                await self.driver.run(self.batch_groups, stop=self._halt)
                 batches += 1
                 now = time.time() - self._started
                 self.history += [{**asdict(r), "t": now} for r in self.driver.results[seen:]]
