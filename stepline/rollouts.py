@@ -61,12 +61,12 @@ class BackgroundRollouts:
 
     def _main(self) -> None:
         try:
-            asyncio.run(self._loop())
+            asyncio.run(self._produce())
         except BaseException as exc:  # reported by the runner; the trainer stops on idle
             self.error = exc
             raise
 
-    async def _loop(self) -> None:
+    async def _produce(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._loop, self._halt = asyncio.get_running_loop(), asyncio.Event()
         async with GatewayClient(self.gateway_url, self.admin_token) as gateway:

@@ -188,6 +188,8 @@ def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> None:
         with RLProgress(run.rl / "metrics.jsonl", rollouts, cfg.rl_updates):
             rollouts.start()
             train(tcfg, pool, sync)
+        if rollouts.error is not None:
+            raise click.ClickException(f"the rollout driver failed: {rollouts.error!r}")
     finally:
         rollouts.stop()
         (run.rl / "rollouts.json").write_text(json.dumps(rollouts.history, indent=1))
