@@ -39,7 +39,7 @@ def summarise(root: Path, rl_updates: int) -> dict[str, Any]:
 
 
 def plot_run(root: Path, out: Path) -> Path:
-    """Left: training reward per harness over the RL phase (rolling mean over episodes);
+    """Left: mean training reward per harness of each rollout batch over the RL phase;
     right: test success per harness at each evaluation."""
     import matplotlib
 
@@ -50,13 +50,14 @@ def plot_run(root: Path, out: Path) -> Path:
     rollouts = json.loads(rollouts_file.read_text()) if rollouts_file.is_file() else []
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for harness in sorted({r["harness"] for r in rollouts}):
-        rows = [r for r in rollouts if r["harness"] == harness]
-        rewards = [r["reward"] or 0.0 for r in rows]
-        window = max(1, len(rows) // 10)
-        smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
-                  for i in range(len(rewards))]
-        left.plot([r["t"] / 60 for r in rows], smooth, label=harness)
-    left.set(title="training reward (rolling mean)", xlabel="minutes into RL", ylabel="reward", ylim=(-0.05, 1.05))
+        batches: dict[float, list[float]] = {}  # rows of one rollout batch share its end time t
+        for r in rollouts:
+            if r["harness"] == harness:
+                batches.setdefault(r["t"], []).append(r["reward"] or 0.0)
+        times = sorted(batches)
+        left.plot([t / 60 for t in times], [sum(batches[t]) / len(batches[t]) for t in times], marker=".",
+                  label=harness)
+    left.set(title="training reward per rollout batch", xlabel="minutes into RL", ylabel="reward", ylim=(-0.05, 1.05))
     evals = _evals(root)
     names = sorted({h for _, rep in evals for h in rep["harnesses"]})
     for harness in names:
