@@ -35,7 +35,7 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     dir: Path | None = Field(None, description="use this model directory instead of building one")
     kind: Literal["tiny", "qwen3-tiny"] = Field("tiny", description="tiny model to build (stepline make-model)")
-    seed: int = Field(0, description="seed of the random initialisation")
+    seed: int | None = Field(None, description="seed of the random initialisation (None: the job's seed)")
     hidden_size: int = Field(128, ge=8, description="hidden width of the built model")
     num_layers: int = Field(4, ge=1, description="transformer layers of the built model")
     num_heads: int = Field(4, ge=1, description="attention heads of the built model")

@@ -75,9 +75,8 @@ def trainer_configs(cfg: JobConfig, run: RunDir, base: Path):
         "sft.trainer": {"seed": cfg.seed, "progress": False, **cfg.sft.trainer, "mode": "sft", "model_dir": base,
                         "output_dir": run.sft / "train"},
         "trainer": {"seed": cfg.seed, "checkpoint_every": 1, "idle_timeout": 120.0, **cfg.trainer, "mode": "rl",
-                    "progress": False,
-                    "model_dir": base, "output_dir": run.rl, "max_updates": max(cfg.rl_updates, 1),
-                    "group_size": cfg.rollout.group_size},
+                    "progress": False, "model_dir": base, "output_dir": run.rl,
+                    "max_updates": max(cfg.rl_updates, 1), "group_size": cfg.rollout.group_size},
     }
     configs = []
     for name, table in tables.items():
@@ -96,7 +95,8 @@ def build_base_model(cfg: JobConfig, run: RunDir) -> Path:
         return cfg.model.dir
     if not (run.base_model / "config.json").is_file():
         m = cfg.model
-        build_model(run.base_model, kind=m.kind, seed=m.seed, hidden_size=m.hidden_size, num_layers=m.num_layers,
+        seed = cfg.seed if m.seed is None else m.seed
+        build_model(run.base_model, kind=m.kind, seed=seed, hidden_size=m.hidden_size, num_layers=m.num_layers,
                     num_heads=m.num_heads, num_kv_heads=m.num_kv_heads)
     return run.base_model
 
