@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import sys
 import tempfile
 import time
@@ -88,26 +89,29 @@ async def _expert_episode(spec: HarnessSpec, task_id: str, work: Path) -> tuple[
     return json.loads((out / "episode.json").read_text()), reward
 
 
-async def _gather(specs: list[HarnessSpec], per_harness: int, concurrency: int, work: Path):
+async def _gather(specs: list[HarnessSpec], per_harness: int, concurrency: int, work: Path, seed: int):
     gate = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed)
 
     async def one(spec: HarnessSpec, task_id: str):
         async with gate:
             return spec, task_id, await _expert_episode(spec, task_id, work)
 
-    jobs = [one(spec, task) for spec in specs
-            for task in (await asyncio.to_thread(list_tasks, spec, "train"))[:per_harness]]
+    jobs = []
+    for spec in specs:  # a seeded sample of the train split: task lists are ordered by kind and entity
+        tasks = await asyncio.to_thread(list_tasks, spec, "train")
+        jobs += [one(spec, task) for task in rng.sample(tasks, min(per_harness, len(tasks)))]
     return await asyncio.gather(*jobs)
 
 
 def collect_demos(pool: Pool, model_dir: Path, specs: list[HarnessSpec], per_harness: int,
-                  concurrency: int = 2) -> dict[str, int]:
-    """Run `per_harness` expert episodes of each module harness (train split) into `pool` as ended,
-    rewarded sessions (one group each). Returns demonstrations written per harness."""
+                  concurrency: int = 2, seed: int = 0) -> dict[str, int]:
+    """Run `per_harness` expert episodes of each module harness (a seeded sample of its train split) into
+    `pool` as ended, rewarded sessions (one group each). Returns demonstrations written per harness."""
     template = ChatTemplate.from_model_dir(model_dir)
     written = {spec.name: 0 for spec in specs}
     with tempfile.TemporaryDirectory(prefix="stepline-demos-") as tmp:
-        results = asyncio.run(_gather([s for s in specs if s.module], per_harness, concurrency, Path(tmp)))
+        results = asyncio.run(_gather([s for s in specs if s.module], per_harness, concurrency, Path(tmp), seed))
     # round-robin over harnesses, so every SFT minibatch mixes them (the pool hands groups out in order)
     by_harness = [[r for r in results if r[0].name == spec.name] for spec in specs]
     interleaved = [row for rows in zip_longest(*by_harness) for row in rows if row is not None]

@@ -116,7 +116,7 @@ def warm_start(cfg: JobConfig, run: RunDir, base: Path, sft: TrainerConfig) -> P
     pool = open_pool(f"sqlite:///{run.sft / 'demos.db'}")
     try:
         if not pool.stats()["sessions"]:
-            written = collect_demos(pool, base, cfg.rollout.harnesses, cfg.sft.demos_per_harness)
+            written = collect_demos(pool, base, cfg.rollout.harnesses, cfg.sft.demos_per_harness, seed=cfg.seed)
             click.echo(f"expert demonstrations: {written}")
         state = train(sft, pool, NoWeightSync(), offline=True)
     finally:
