@@ -18,12 +18,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from datapool.base import Pool
 
 
 @dataclass
@@ -296,6 +301,24 @@ class FakeEngine:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+@asynccontextmanager
+async def recording_gateway(model_dir: Path, engine_url: str, pool_db: Path, kind: str = "builtin",
+                            admin_token: str = "adm") -> AsyncIterator[tuple[str, Pool]]:
+    """A real gateway on a free port in front of `engine_url`, recording into an SQLite pool at `pool_db`;
+    yields (gateway URL, the pool) and closes both on exit. For tests of the components above the gateway."""
+    from datapool import open_pool
+    from gateway.cli import running_gateway
+    from gateway.config import GatewaySettings
+
+    pool = open_pool(f"sqlite:///{pool_db}")
+    try:
+        async with running_gateway(GatewaySettings(port=0, admin_token=admin_token), [engine_url], model_dir, pool,
+                                   engine_kind=kind) as gw:
+            yield gw.url, pool
+    finally:
+        pool.close()
 
 
 def main() -> None:

@@ -6,8 +6,6 @@ with their rewards and groups)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +14,7 @@ from tokenizers import Tokenizer
 
 from agents.search.harness import play as search_play
 from agents.ui.harness import play as ui_play
-from datapool import open_pool
-from datapool.base import Pool
-from gateway.cli import running_gateway
-from gateway.config import GatewaySettings
-from gateway.testing import FakeEngine, Scripted
+from gateway.testing import FakeEngine, Scripted, recording_gateway
 from trainer.rollout import RolloutDriver
 from trainer.rollout_config import HarnessSpec, RolloutConfig
 from trainer.rollout_gateway import GatewayClient
@@ -36,15 +30,8 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-@asynccontextmanager
-async def gateway(model_dir: Path, engine_url: str, tmp_path: Path, kind: str) -> AsyncIterator[tuple[str, Pool]]:
-    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
-    try:
-        async with running_gateway(GatewaySettings(port=0, admin_token="adm"), [engine_url], model_dir, pool,
-                                   engine_kind=kind) as gw:
-            yield gw.url, pool
-    finally:
-        pool.close()
+def gateway(model_dir: Path, engine_url: str, tmp_path: Path, kind: str):
+    return recording_gateway(model_dir, engine_url, tmp_path / "pool.db", kind)
 
 
 def hermes_text(message: dict[str, Any]) -> str:

@@ -5,18 +5,12 @@ serving the tiny random model (episodes complete end to end; groups and rewards 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
-from datapool import open_pool
-from datapool.base import Pool
-from gateway.cli import running_gateway
-from gateway.config import GatewaySettings
-from gateway.testing import FakeEngine, Scripted
+from gateway.testing import FakeEngine, Scripted, recording_gateway
 from trainer.evaluate import evaluate
 from trainer.rollout import RolloutDriver
 from trainer.rollout_config import HarnessSpec, RolloutConfig
@@ -25,15 +19,8 @@ from trainer.rollout_gateway import GatewayClient
 END = "<|im_end|>"
 
 
-@asynccontextmanager
-async def gateway(model_dir: Path, engine_url: str, tmp_path: Path, kind: str) -> AsyncIterator[tuple[str, Pool]]:
-    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
-    try:
-        async with running_gateway(GatewaySettings(port=0, admin_token="adm"), [engine_url], model_dir, pool,
-                                   engine_kind=kind) as gw:
-            yield gw.url, pool
-    finally:
-        pool.close()
+def gateway(model_dir: Path, engine_url: str, tmp_path: Path, kind: str):
+    return recording_gateway(model_dir, engine_url, tmp_path / "pool.db", kind)
 
 
 def _terminal(tasks: list[str], max_turns: int = 2) -> HarnessSpec:
