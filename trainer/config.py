@@ -12,7 +12,7 @@ import inspect
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = ["TrainerConfig"]
 
@@ -107,33 +107,15 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"no Hugging Face model at {v} (config.json missing)")
         return v
 
-    @field_validator("advantage")
+    @field_validator("advantage", "ratio", "loss_aggregation", "kl_estimator")
     @classmethod
-    def _advantage(cls, v: str) -> str:
-        from trainer.algorithms import ADVANTAGES
+    def _registered(cls, v: str, info: ValidationInfo) -> str:
+        """Each algorithm name must be a key of its registry in `trainer.algorithms`."""
+        from trainer import algorithms
 
-        return _known(v, ADVANTAGES)
-
-    @field_validator("ratio")
-    @classmethod
-    def _ratio(cls, v: str) -> str:
-        from trainer.algorithms import RATIOS
-
-        return _known(v, RATIOS)
-
-    @field_validator("loss_aggregation")
-    @classmethod
-    def _aggregation(cls, v: str) -> str:
-        from trainer.algorithms import AGGREGATIONS
-
-        return _known(v, AGGREGATIONS)
-
-    @field_validator("kl_estimator")
-    @classmethod
-    def _kl(cls, v: str) -> str:
-        from trainer.algorithms import KL_ESTIMATORS
-
-        return _known(v, KL_ESTIMATORS)
+        registry = {"advantage": algorithms.ADVANTAGES, "ratio": algorithms.RATIOS,
+                    "loss_aggregation": algorithms.AGGREGATIONS, "kl_estimator": algorithms.KL_ESTIMATORS}
+        return _known(v, registry[info.field_name])
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:
