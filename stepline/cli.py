@@ -64,6 +64,9 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="stepline")
 def main() -> None:
     """Stepline: train existing LLM agents with step-level RL."""
+    from stepline.lifeline import die_with_parent
+
+    die_with_parent()  # only in services started by `stepline up` / `stepline run`
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ then the pool, then the engine.
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 import socket
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import click
 import httpx
+
+from stepline.lifeline import PARENT_PID_ENV
 
 __all__ = ["up_command"]
 
@@ -40,10 +43,11 @@ def free_port() -> int:
 def start(name: str, args: list[str], logs: Path) -> Child:
     log = logs / f"{name}.log"
     out = log.open("ab")
-    # own session: Ctrl-C reaches only `up`, which then stops the children in order
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stepline.cli", *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    # own session: Ctrl-C reaches only `up`, which then stops the children in order; and a child dies
+    # with us even when we are killed with -9 (stepline.lifeline)
+    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+    proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env)
     out.close()
     return Child(name, proc, log)
 
