@@ -230,9 +230,12 @@ def _overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
               help="Override a job field, e.g. --set rl_updates=2 --set run_dir=runs/x (TOML values).")
 def run_command(job: Path, overrides: tuple[str, ...]) -> None:
     """Run a whole job: model, SFT warm start, services, RL, evaluation, plot and summary."""
+    from transformers.utils import logging as hf_logging
+
     from stepline.report import format_summary
 
     logging.basicConfig(level=os.environ.get("STEPLINE_LOG", "WARNING"))
+    hf_logging.disable_progress_bar()  # HF's loading/saving bars would tear through the live panel
     try:
         summary = run_job(load_job(job, _overrides(overrides)))
     except JobError as exc:
