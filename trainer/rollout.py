@@ -98,10 +98,12 @@ async def run_process(argv: list[str], env: Mapping[str, str], cwd: Path, timeou
             *argv, env=dict(env), cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
             start_new_session=True,
         )
+        code: int | None = None
         try:
-            code: int | None = await asyncio.wait_for(proc.wait(), timeout)
+            async with asyncio.timeout(timeout):  # unlike wait_for on 3.11, never swallows a cancellation (Ctrl-C)
+                code = await proc.wait()
         except TimeoutError:
-            code = None
+            pass
         finally:
             _kill_group(proc.pid)
             await proc.wait()

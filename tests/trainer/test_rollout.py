@@ -187,3 +187,29 @@ async def test_terminal_harness_through_the_driver_with_a_scripted_model(tmp_pat
             stats = await driver.run(num_groups=2)
     assert stats["terminal"]["episodes"] == 4 and stats["terminal"]["success_rate"] == 1.0, driver.results
     assert all(r == [1.0] for r in gw.rewards.values())
+
+
+async def test_cancelling_an_episode_kills_its_process_group_at_once(tmp_path: Path) -> None:
+    """Ctrl-C cancels the rollout tasks: the harness and whatever it started die, the cancellation is not lost."""
+    import asyncio
+
+    from trainer.rollout import run_process
+
+    pid_file = tmp_path / "child.pid"
+    script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    task = asyncio.create_task(run_process([sys.executable, "-c", script], os.environ, tmp_path, 60, tmp_path / "log"))
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    started = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert time.monotonic() - started < 5
+    grandchild = int(pid_file.read_text())
+    await asyncio.sleep(0.2)
+    stat = Path(f"/proc/{grandchild}/stat")
+    state = stat.read_text().rsplit(")", 1)[1].split()[0] if stat.exists() else "X"
+    assert state in ("Z", "X"), "the harness's own child outlived the cancelled episode"
