@@ -32,7 +32,7 @@ class SqlitePool(SqlPool):
             else:
                 conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
                 # 16 KiB pages: a call row (~3 KB of packed tokens) wastes a quarter of a 4 KiB page;
-                # measured 8.3 -> 6.8 bytes per unique token (benchmarks/datapool.py). New files only.
+                # measured 8.3 -> 6.8 bytes per unique token (benchmarks/bench_datapool.py). New files only.
                 conn.execute("PRAGMA page_size=16384")
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute(f"PRAGMA synchronous={synchronous.upper()}")

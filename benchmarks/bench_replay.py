@@ -1,7 +1,7 @@
 """Offline replay next to the online run it replays: training loss and reward-weighted likelihood.
 
     .venv/bin/stepline run examples/quickstart.toml           # the online run, RUN = runs/quickstart
-    .venv/bin/python benchmarks/replay.py runs/quickstart      # `stepline replay` of RUN/pool.db, then the comparison
+    .venv/bin/python benchmarks/bench_replay.py runs/quickstart      # `stepline replay` of RUN/pool.db, then the comparison
 
 The replay starts from the same SFT model with the same [trainer] settings and as many updates as the online
 run made, through the `stepline replay` command a user would run (output in RUN-replay/). Reward-weighted
@@ -16,15 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-# benchmarks/ holds files named like the packages (datapool.py, trainer.py): keep them from shadowing those
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from datapool import open_pool  # noqa: E402
+from datapool import open_pool
 
 
 def toml_table(name: str, table: dict) -> str:

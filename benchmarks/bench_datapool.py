@@ -1,6 +1,6 @@
 """Data pool benchmark: ingest rate per backend, bytes per unique token, storage vs full prompts.
 
-    .venv/bin/python benchmarks/datapool.py [--sessions 200 --turns 10 --batch 100]
+    .venv/bin/python benchmarks/bench_datapool.py [--sessions 200 --turns 10 --batch 100]
     (PostgreSQL is measured when STEPLINE_PG_URL is set, in a throwaway schema.)
 
 Each call adds 500 new tokens (250 observation + 250 sampled); calls are sent in batches across
@@ -19,14 +19,10 @@ import time
 import uuid
 from pathlib import Path
 
-# This file is named like the package it measures: run as a script, its folder would shadow it.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from datapool import open_pool  # noqa: E402
-from datapool.records import CallRecord, SessionInfo  # noqa: E402
+from datapool import open_pool
+from datapool.records import CallRecord, SessionInfo
 
 OBS, ACT, VOCAB = 250, 250, 150_000
 

@@ -1,6 +1,6 @@
 """Gateway overhead against a fast fake engine, all in one run.
 
-    .venv/bin/python benchmarks/gateway.py [--turns 20] [--context 4000] [--sessions 64]
+    .venv/bin/python benchmarks/bench_gateway.py [--turns 20] [--context 4000] [--sessions 64]
 
 Three processes: a FakeEngine (SGLang /generate wire format, 16 tokens per answer, the last one EOS),
 the gateway (`stepline gateway`, recording into a real SQLite pool), and this load generator.
@@ -31,8 +31,6 @@ import aiohttp
 import numpy as np
 import orjson
 
-# run as a script, sys.path[0] is benchmarks/, whose scripts share the packages' names: use the repo
-sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 ADMIN = {"Authorization": "Bearer bench"}
 OUT_TOKENS = 16

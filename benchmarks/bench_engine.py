@@ -1,6 +1,6 @@
 """Built-in engine throughput: generated tokens/s at concurrency 1, 8 and 32 on the tiny model.
 
-    .venv/bin/python benchmarks/engine.py [--tokens 64] [--seconds 8] [--threads 1]
+    .venv/bin/python benchmarks/bench_engine.py [--tokens 64] [--seconds 8] [--threads 1]
 
 Builds the tiny model, starts `stepline engine` as its own process, and runs `c` clients that each
 send requests back to back for `--seconds` (sampled, temperature 1, ignore_eos, `--tokens` new tokens

@@ -1,7 +1,7 @@
 """Trainer benchmark: tree forward vs the naive per-step forward on multi-turn sessions.
 
-    .venv/bin/python benchmarks/trainer.py                   # 8 sessions × 10 turns, CPU or the GPU if any
-    .venv/bin/python benchmarks/trainer.py --turns 20 --hidden 512 --layers 8
+    .venv/bin/python benchmarks/bench_trainer.py                   # 8 sessions × 10 turns, CPU or the GPU if any
+    .venv/bin/python benchmarks/bench_trainer.py --turns 20 --hidden 512 --layers 8
 
 Each session is a chain of turns (prompt, then per turn: sampled action + harness observation), stored
 through the pool's own radix tree and steps view. A *training step* is forward + backward of the action
@@ -32,13 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from datapool.records import Reward, SessionInfo  # noqa: E402
-from datapool.steps import build_episode  # noqa: E402
-from datapool.tree import RadixTree  # noqa: E402
-from trainer.tree_forward import forest_forward, pack_forest  # noqa: E402
+from datapool.records import Reward, SessionInfo
+from datapool.steps import build_episode
+from datapool.tree import RadixTree
+from trainer.tree_forward import forest_forward, pack_forest
 
 
 def make_sessions(n: int, turns: int, prompt: int, action: int, obs: int, vocab: int, seed: int):
