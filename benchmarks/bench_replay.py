@@ -21,15 +21,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from datapool import open_pool
+from trainer.weight_sync import saved_weights
 
 
 def toml_table(name: str, table: dict) -> str:
     """A flat table of scalars (all the [trainer] table of a job holds) as TOML."""
     return f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items() if v is not None)
-
-
-def latest_weights(folder: Path) -> Path:
-    return sorted(folder.glob("v[0-9]*"), key=lambda p: int(p.name[1:]))[-1]
 
 
 def losses(metrics: Path) -> list[float]:
@@ -87,8 +84,8 @@ def main(run: Path) -> None:
         print(f"{name:28}{a:>12.3e}{b:>12.3e}{b / a if a else float('nan'):>8.2f}")
     if actions:
         sft = reward_weighted_logprob(run / "model-sft", actions)
-        online = reward_weighted_logprob(latest_weights(run / "rl" / "weights"), actions)
-        replay = reward_weighted_logprob(latest_weights(replay_dir / "weights"), actions)
+        online = reward_weighted_logprob(saved_weights(run / "rl" / "weights")[-1], actions)
+        replay = reward_weighted_logprob(saved_weights(replay_dir / "weights")[-1], actions)
         print(f"{'reward-weighted logprob':28}{online:>12.4f}{replay:>12.4f}{replay / online:>8.2f}"
               f"   (SFT model: {sft:.4f})")
     else:

@@ -106,7 +106,7 @@ def warm_start(cfg: JobConfig, run: RunDir, base: Path, sft: TrainerConfig) -> P
     from datapool import open_pool
     from stepline.demos import collect_demos
     from trainer.loop import train
-    from trainer.weight_sync import NoWeightSync
+    from trainer.weight_sync import NoWeightSync, saved_weights
 
     if cfg.sft.demos_per_harness == 0:
         return base
@@ -121,7 +121,7 @@ def warm_start(cfg: JobConfig, run: RunDir, base: Path, sft: TrainerConfig) -> P
         state = train(sft, pool, NoWeightSync(), offline=True)
     finally:
         pool.close()
-    latest = sorted((run.sft / "train" / "weights").glob("v[0-9]*"))
+    latest = saved_weights(run.sft / "train" / "weights")
     if not latest:
         raise click.ClickException("the SFT pass trained nothing (no demonstrations?)")
     latest[-1].rename(run.sft_model)

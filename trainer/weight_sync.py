@@ -26,7 +26,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 from torch import nn
 
 __all__ = ["GatewayWeightSync", "NoWeightSync", "RecordingWeightSync", "WeightSync", "WeightSyncError",
-           "save_weights"]
+           "save_weights", "saved_weights"]
 
 # files of the source model directory the engine needs next to the weights
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -53,9 +53,14 @@ def save_weights(model: nn.Module, root: Path, version: int, source_dir: Path, k
             shutil.copy2(Path(source_dir) / name, tmp / name)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # an engine never sees a half-written directory
-    for old in sorted(p for p in Path(root).glob("v[0-9]*") if p.is_dir() and not p.name.endswith(".tmp"))[:-keep]:
+    for old in saved_weights(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def saved_weights(root: Path) -> list[Path]:
+    """The complete weight folders `save_weights` left in root, oldest first (the last is the newest)."""
+    return sorted(p for p in Path(root).glob("v[0-9]*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
 class GatewayWeightSync:
