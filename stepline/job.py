@@ -34,7 +34,8 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     dir: Path | None = Field(None, description="use this model directory instead of building one")
-    kind: Literal["tiny", "qwen3-tiny"] = Field("tiny", description="tiny model to build (stepline make-model)")
+    kind: Literal["tiny", "qwen3-tiny", "smollm2-135m"] = Field(
+        "tiny", description="model to build (stepline make-model): a tiny random one, or the pretrained SmolLM2-135M")
     seed: int | None = Field(None, description="seed of the random initialisation (None: the job's seed)")
     hidden_size: int = Field(128, ge=8, description="hidden width of the built model")
     num_layers: int = Field(4, ge=1, description="transformer layers of the built model")

