@@ -24,7 +24,7 @@ from trainer.rollout import RolloutDriver, format_stats, results_json
 from trainer.rollout_config import RolloutConfig, list_tasks, load_rollout_config
 from trainer.rollout_gateway import GatewayClient
 
-__all__ = ["EVAL_METADATA", "eval_command", "evaluate"]
+__all__ = ["EVAL_METADATA", "eval_command", "evaluate", "spread"]
 
 EVAL_METADATA = {"eval": True}
 
@@ -33,7 +33,7 @@ async def evaluate(config: RolloutConfig, gateway_url: str, admin_token: str | N
                    limit: int | None = None) -> dict[str, Any]:
     """Run `split` of every harness once per task; {"split", "weight_version", "harnesses": {name: stats},
     "episodes": [...]}."""
-    tasks = await asyncio.to_thread(lambda: {h.name: list_tasks(h, split)[:limit] for h in config.harnesses})
+    tasks = await asyncio.to_thread(lambda: {h.name: spread(list_tasks(h, split), limit) for h in config.harnesses})
     with tempfile.TemporaryDirectory(prefix="stepline-eval-", dir=config.work_dir) as work:
         async with GatewayClient(gateway_url, admin_token) as gateway:
             driver = RolloutDriver(config.model_copy(update={"retries": 0}), gateway, Path(work))
@@ -43,6 +43,14 @@ async def evaluate(config: RolloutConfig, gateway_url: str, admin_token: str | N
             ))
     return {"split": split, "weight_version": await _weight_version(gateway_url),
             "harnesses": driver.summary(), "episodes": results_json(driver.results)}
+
+
+def spread(task_ids: list[str], limit: int | None) -> list[str]:
+    """`limit` tasks evenly spaced over the list (all when None): task lists are ordered by kind and
+    entity, so the first `limit` would test only the first kinds."""
+    if limit is None or limit >= len(task_ids):
+        return task_ids
+    return [task_ids[i * len(task_ids) // limit] for i in range(limit)]
 
 
 async def _weight_version(gateway_url: str) -> int | None:
