@@ -79,3 +79,12 @@ def test_cli_prints_success_per_harness_and_writes_json(tmp_path: Path) -> None:
     assert "good" in result.output and "1.000" in result.output
     report = json.loads(out.read_text())
     assert report["split"] == "test" and report["harnesses"]["good"]["episodes"] == 1
+
+
+def test_spread_takes_evenly_spaced_tasks():
+    from trainer.evaluate import spread
+
+    ids = [f"t{i}" for i in range(10)]
+    # i * 10 // 3 for i = 0, 1, 2 -> 0, 3, 6: every kind of an ordered list is sampled, not just the first
+    assert spread(ids, 3) == ["t0", "t3", "t6"]
+    assert spread(ids, None) == ids and spread(ids, 50) == ids
