@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_summary", "plot_run", "summarise"]
+__all__ = ["format_summary", "plot_run", "reward_quarters", "summarise", "wilson"]
 
 
-def _success(report: dict[str, Any]) -> dict[str, float]:
-    return {name: float(s["success_rate"]) for name, s in report["harnesses"].items()}
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a success rate (95% for z = 1.96): it stays inside [0, 1] and is honest
+    at 0 or n successes, where the normal approximation collapses to a width of 0."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def _success(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per harness: success rate, episodes and its 95% interval."""
+    out = {}
+    for name, s in report["harnesses"].items():
+        n = int(s["episodes"])
+        out[name] = {"rate": float(s["success_rate"]), "n": n, "ci95": wilson(float(s["success_rate"]) * n, n)}
+    return out
 
 
 def _evals(root: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -21,17 +38,50 @@ def _evals(root: Path) -> list[tuple[str, dict[str, Any]]]:
     return [(p.stem, json.loads(p.read_text())) for p in sorted((root / "eval").glob("*.json"), key=order)]
 
 
+def _mean_success(per_harness: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Mean over harnesses, with the interval of the pooled successes (a harness-weighted mean of rates
+    whose n are equal; the pooled interval is the usual normal one on that mean)."""
+    if not per_harness:
+        return None
+    rates = [h["rate"] for h in per_harness.values()]
+    mean = sum(rates) / len(rates)
+    var = sum(h["rate"] * (1 - h["rate"]) / max(h["n"], 1) for h in per_harness.values()) / len(rates) ** 2
+    half = 1.96 * math.sqrt(var)
+    return {"rate": mean, "ci95": (max(0.0, mean - half), min(1.0, mean + half))}
+
+
+def _metrics(root: Path) -> list[dict[str, Any]]:
+    path = root / "rl" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Mean training reward of the first and of the last quarter of RL updates (at least one update each)."""
+    rewards = [m["reward_mean"] for m in metrics if "reward_mean" in m]
+    if len(rewards) < 2:
+        return None
+    k = max(1, len(rewards) // 4)
+    return {"first": sum(rewards[:k]) / k, "last": sum(rewards[-k:]) / k, "updates_per_quarter": k}
+
+
 def summarise(root: Path, rl_updates: int) -> dict[str, Any]:
     evals = dict(_evals(root))
     before = _success(evals["before"]) if "before" in evals else {}
     after = _success(evals[f"after-{rl_updates}"]) if f"after-{rl_updates}" in evals else {}
-    mean = lambda d: sum(d.values()) / len(d) if d else float("nan")  # noqa: E731
+    mean_sft, mean_rl = _mean_success(before), _mean_success(after)
     rollouts = json.loads((root / "rl" / "rollouts.json").read_text()) if (root / "rl" / "rollouts.json").is_file() else []
-    metrics = [json.loads(line) for line in (root / "rl" / "metrics.jsonl").read_text().splitlines()] \
-        if (root / "rl" / "metrics.jsonl").is_file() else []
+    metrics = _metrics(root)
+    rates = lambda d: {h: v["rate"] for h, v in d.items()}  # noqa: E731
+    nan = float("nan")
     return {
-        "test_success_sft": before, "test_success_rl": after,
-        "mean_sft": mean(before), "mean_rl": mean(after), "improvement": mean(after) - mean(before),
+        "test_success_sft": rates(before), "test_success_rl": rates(after),
+        "test_ci95_sft": {h: v["ci95"] for h, v in before.items()},
+        "test_ci95_rl": {h: v["ci95"] for h, v in after.items()},
+        "test_tasks": {h: v["n"] for h, v in (after or before).items()},
+        "mean_sft": mean_sft["rate"] if mean_sft else nan, "mean_rl": mean_rl["rate"] if mean_rl else nan,
+        "mean_ci95_sft": mean_sft["ci95"] if mean_sft else None, "mean_ci95_rl": mean_rl["ci95"] if mean_rl else None,
+        "improvement": (mean_rl["rate"] - mean_sft["rate"]) if mean_sft and mean_rl else nan,
+        "train_reward_quarters": reward_quarters(metrics),
         "rl_updates": len(metrics), "rl_episodes": len(rollouts),
         "rl_episodes_failed": sum(r["status"] == "failed" for r in rollouts),
         "weight_version": evals[f"after-{rl_updates}"].get("weight_version") if after else None,
@@ -39,31 +89,30 @@ def summarise(root: Path, rl_updates: int) -> dict[str, Any]:
 
 
 def plot_run(root: Path, out: Path) -> Path:
-    """Left: mean training reward per harness of each rollout batch over the RL phase;
-    right: test success per harness at each evaluation."""
+    """Left: mean training reward per harness at each RL update (the trainer's batch);
+    right: test success per harness at each evaluation, with 95% intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rollouts_file = root / "rl" / "rollouts.json"
-    rollouts = json.loads(rollouts_file.read_text()) if rollouts_file.is_file() else []
+    metrics = _metrics(root)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for harness in sorted({r["harness"] for r in rollouts}):
-        batches: dict[float, list[float]] = {}  # rows of one rollout batch share its end time t
-        for r in rollouts:
-            if r["harness"] == harness:
-                batches.setdefault(r["t"], []).append(r["reward"] or 0.0)
-        times = sorted(batches)
-        left.plot([t / 60 for t in times], [sum(batches[t]) / len(batches[t]) for t in times], marker=".",
-                  label=harness)
-    left.set(title="training reward per rollout batch", xlabel="minutes into RL", ylabel="reward", ylim=(-0.05, 1.05))
-    evals = _evals(root)
-    names = sorted({h for _, rep in evals for h in rep["harnesses"]})
-    for harness in names:
-        right.plot([tag for tag, _ in evals], [rep["harnesses"].get(harness, {}).get("success_rate", float("nan"))
-                                               for _, rep in evals], marker="o", label=harness)
-    right.set(title="test success", xlabel="evaluation", ylabel="success rate", ylim=(-0.05, 1.05))
+    harnesses = sorted({k.split("/", 1)[1] for m in metrics for k in m if k.startswith("reward/")})
+    for harness in harnesses:
+        points = [(m["update"], m[f"reward/{harness}"]) for m in metrics if f"reward/{harness}" in m]
+        left.plot([u for u, _ in points], [r for _, r in points], marker=".", label=harness)
+    left.set(title="training reward per update", xlabel="RL update", ylabel="mean reward", ylim=(-0.05, 1.05))
+    evals = [(tag, _success(rep)) for tag, rep in _evals(root)]
+    names = sorted({h for _, rep in evals for h in rep})
+    for i, harness in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * 0.06 for j in range(len(evals))]  # side by side, not on top
+        rows = [rep.get(harness, {"rate": float("nan"), "ci95": (float("nan"),) * 2}) for _, rep in evals]
+        rates = [r["rate"] for r in rows]
+        err = [[r["rate"] - r["ci95"][0] for r in rows], [r["ci95"][1] - r["rate"] for r in rows]]
+        right.errorbar(xs, rates, yerr=err, marker="o", capsize=3, label=harness)
+    right.set_xticks(range(len(evals)), [tag for tag, _ in evals])
+    right.set(title="test success (95% interval)", xlabel="evaluation", ylabel="success rate", ylim=(-0.05, 1.05))
     for ax in (left, right):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -76,11 +125,21 @@ def plot_run(root: Path, out: Path) -> Path:
 
 def format_summary(summary: dict[str, Any]) -> str:
     harnesses = sorted(set(summary["test_success_sft"]) | set(summary["test_success_rl"]))
-    rows = [f"{'harness':<12} {'SFT':>6} {'RL':>6} {'delta':>7}"]
+    ci = lambda c: f"[{c[0]:.2f}, {c[1]:.2f}]" if c else ""  # noqa: E731
+    rows = [f"{'harness':<10} {'tasks':>5} {'SFT':>6} {'95% CI':>13} {'RL':>6} {'95% CI':>13} {'delta':>7}"]
     for h in harnesses:
         a, b = summary["test_success_sft"].get(h, float("nan")), summary["test_success_rl"].get(h, float("nan"))
-        rows.append(f"{h:<12} {a:>6.3f} {b:>6.3f} {b - a:>+7.3f}")
-    rows.append(f"{'mean':<12} {summary['mean_sft']:>6.3f} {summary['mean_rl']:>6.3f} {summary['improvement']:>+7.3f}")
+        rows.append(f"{h:<10} {summary['test_tasks'].get(h, 0):>5} {a:>6.3f} {ci(summary['test_ci95_sft'].get(h)):>13} "
+                    f"{b:>6.3f} {ci(summary['test_ci95_rl'].get(h)):>13} {b - a:>+7.3f}")
+    rows.append(f"{'mean':<10} {'':>5} {summary['mean_sft']:>6.3f} {ci(summary['mean_ci95_sft']):>13} "
+                f"{summary['mean_rl']:>6.3f} {ci(summary['mean_ci95_rl']):>13} {summary['improvement']:>+7.3f}")
+    quarters = summary.get("train_reward_quarters")
+    if quarters:
+        rows.append(f"training reward, first vs last quarter of updates ({quarters['updates_per_quarter']} each): "
+                    f"{quarters['first']:.3f} -> {quarters['last']:.3f}")
+    phases = summary.get("phases_s")
+    if phases:
+        rows.append("phases: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items()))
     files = "\n".join(f"  {k:<13} {v}" for k, v in summary.get("files", {}).items())
     return (f"\nTest success, SFT-only vs RL ({summary['rl_updates']} updates, {summary['rl_episodes']} RL episodes,"
             f" policy version {summary['weight_version']}):\n" + "\n".join(rows) + f"\n\nFiles:\n{files}")

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+import time
 import tomllib
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +47,18 @@ class RunDir:
     def eval_file(self, tag: str) -> Path:
         return self.root / "eval" / f"{tag}.json"
 
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase into phases.json (seconds; a resumed job adds to what the stopped one spent)."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            path = self.root / "phases.json"
+            phases = json.loads(path.read_text()) if path.is_file() else {}
+            phases[name] = round(phases.get(name, 0.0) + time.monotonic() - started, 1)
+            path.write_text(json.dumps(phases, indent=1))
+
 
 def run_job(cfg: JobConfig) -> dict[str, Any]:
     """The main job; returns the summary (also written to run_dir/summary.json)."""
@@ -53,15 +66,20 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     for path in (run.root, run.logs, run.root / "eval"):
         path.mkdir(parents=True, exist_ok=True)
     (run.root / "job.json").write_text(cfg.model_dump_json(indent=1))
-    base = build_base_model(cfg, run)
+    with run.phase("model"):
+        base = build_base_model(cfg, run)
     sft_cfg, rl_cfg = trainer_configs(cfg, run, base)  # checked before anything long starts
-    policy = warm_start(cfg, run, base, sft_cfg)
+    with run.phase("sft"):
+        policy = warm_start(cfg, run, base, sft_cfg)
     token = secrets.token_urlsafe(16)
     with services(cfg, run, policy, token) as gateway_url:
         rl_cfg = rl_cfg.model_copy(update={"model_dir": policy, "gateway_url": gateway_url, "admin_token": token})
-        evaluate_once(cfg, run, gateway_url, token, "before")
-        train_rl(cfg, run, rl_cfg)
-        evaluate_once(cfg, run, gateway_url, token, f"after-{cfg.rl_updates}")
+        with run.phase("eval_before"):
+            evaluate_once(cfg, run, gateway_url, token, "before")
+        with run.phase("rl"):
+            train_rl(cfg, run, rl_cfg)
+        with run.phase("eval_after"):
+            evaluate_once(cfg, run, gateway_url, token, f"after-{cfg.rl_updates}")
     return write_summary(cfg, run)
 
 
@@ -201,6 +219,8 @@ def write_summary(cfg: JobConfig, run: RunDir) -> dict[str, Any]:
     from stepline.report import plot_run, summarise
 
     summary = summarise(run.root, cfg.rl_updates)
+    phases = run.root / "phases.json"
+    summary["phases_s"] = json.loads(phases.read_text()) if phases.is_file() else {}
     plot = plot_run(run.root, run.root / "progress.png")
     summary["files"] = {
         "config": str(run.root / "job.json"), "metrics_jsonl": str(run.rl / "metrics.jsonl"),

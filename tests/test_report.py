@@ -1,0 +1,48 @@
+"""The run report: 95% intervals, the training-reward quarters, and the plot from a run directory."""
+
+import json
+
+import pytest
+
+from stepline.report import format_summary, plot_run, reward_quarters, summarise, wilson
+
+
+def test_wilson_interval_by_hand():
+    # 25 of 50: p = .5, z^2 = 3.8416; centre = (.5 + 3.8416/100) / (1 + 3.8416/50) = .5;
+    # half = 1.96 / 1.076832 * sqrt(.25/50 + 3.8416/10000) = 1.82016 * 0.0733769 = 0.133557
+    assert wilson(25, 50) == pytest.approx((0.366443, 0.633557), abs=1e-6)
+    # 0 of 50 is not "exactly 0": the upper bound is 3.8416/50 / (1 + 3.8416/50) = 0.071350
+    assert wilson(0, 50) == pytest.approx((0.0, 0.071350), abs=1e-6)
+    assert wilson(0, 0) == (0.0, 1.0)
+
+
+def test_reward_quarters():
+    rows = [{"reward_mean": r} for r in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)]
+    # 8 updates -> quarters of 2: (0.1 + 0.2) / 2 and (0.7 + 0.8) / 2
+    assert reward_quarters(rows) == pytest.approx({"first": 0.15, "last": 0.75, "updates_per_quarter": 2})
+    assert reward_quarters(rows[:1]) is None
+
+
+def _eval(rates: dict[str, float], n: int, version: int) -> dict:
+    return {"weight_version": version,
+            "harnesses": {h: {"episodes": n, "success_rate": r, "mean_reward": r} for h, r in rates.items()}}
+
+
+def test_summary_and_plot_from_a_run_directory(tmp_path):
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "eval" / "before.json").write_text(json.dumps(_eval({"search": 0.2, "ui": 0.4}, 50, 0)))
+    (tmp_path / "eval" / "after-4.json").write_text(json.dumps(_eval({"search": 0.5, "ui": 0.6}, 50, 4)))
+    metrics = [{"update": u, "reward_mean": 0.1 * u, "reward/search": 0.1 * u, "reward/ui": 0.2} for u in range(1, 5)]
+    (tmp_path / "rl" / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics))
+    summary = summarise(tmp_path, 4)
+    assert summary["mean_sft"] == pytest.approx(0.3) and summary["mean_rl"] == pytest.approx(0.55)
+    assert summary["improvement"] == pytest.approx(0.25)
+    assert summary["test_tasks"] == {"search": 50, "ui": 50}
+    # mean of two rates, each n = 50: var = (.5 * .5 / 50 + .6 * .4 / 50) / 4 = 0.00245; half = 1.96 * 0.049497
+    assert summary["mean_ci95_rl"] == pytest.approx((0.55 - 0.097015, 0.55 + 0.097015), abs=1e-5)
+    assert summary["train_reward_quarters"] == pytest.approx({"first": 0.1, "last": 0.4, "updates_per_quarter": 1})
+    text = format_summary(summary)
+    assert "search" in text and "+0.250" in text
+    out = plot_run(tmp_path, tmp_path / "progress.png")
+    assert out.stat().st_size > 10_000  # a drawn figure, not an empty canvas
