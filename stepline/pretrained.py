@@ -11,7 +11,9 @@ gives the same bytes.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from unittest.mock import patch
 
 __all__ = ["build_smollm2"]
 
@@ -27,8 +29,9 @@ def build_smollm2(out_dir: Path | str) -> Path:
     gguf = smollm2_gguf()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with patch.dict(os.environ, {"TQDM_DISABLE": "1"}):  # transformers' GGUF reader draws a bar of its own
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     del config.quantization_config  # the saved weights are plain float32, not a GGUF file
     config._name_or_path = "SmolLM2-135M-Instruct"
