@@ -11,7 +11,7 @@ gives the same bytes.
 
 from __future__ import annotations
 
-import os
+from functools import partial
 from pathlib import Path
 from unittest.mock import patch
 
@@ -21,6 +21,7 @@ __all__ = ["build_smollm2"]
 def build_smollm2(out_dir: Path | str) -> Path:
     """Dequantise the cached SmolLM2-135M-Instruct GGUF into `out_dir` (config, safetensors, tokenizer)."""
     import torch
+    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
     from stepline.assets import smollm2_gguf
@@ -29,7 +30,8 @@ def build_smollm2(out_dir: Path | str) -> Path:
     gguf = smollm2_gguf()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with patch.dict(os.environ, {"TQDM_DISABLE": "1"}):  # transformers' GGUF reader draws a bar of its own
+    quiet = partial(tqdm, disable=True)
+    with patch("transformers.modeling_gguf_pytorch_utils.tqdm", quiet):  # the GGUF reader's own bar
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
