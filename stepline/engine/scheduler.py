@@ -1,7 +1,7 @@
 """The engine's scheduler: one thread that owns the model and runs continuous batching.
 
 Each loop iteration: take new sequences and control commands from the inbox; admit waiting
-sequences (each prefilled alone, then merged into the batch's left-padded KV cache); run one
+sequences (each prefilled alone, then copied into a free row of the batch's KV store, kv.py); run one
 batched decode step for every running sequence; retire the finished ones. Control commands (pause,
 weight swap, abort) are functions run on this thread between steps, so no lock guards the model.
 
@@ -21,9 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from transformers import DynamicCache
-
-from stepline.engine.kv import BatchCache
+from stepline.engine.kv import BatchCache, KVShape
 from stepline.engine.protocol import SequenceSpec
 from stepline.engine.sampling import sample_batch
 
@@ -54,6 +52,7 @@ class Sequence:
 class Scheduler:
     def __init__(self, model, tokenizer, eos_token_ids: list[int], weight_version: str = "0",
                  max_running: int = 64) -> None:
+        self.kv_shape = KVShape.of(model)  # a weight update keeps it (same architecture and dtype)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
@@ -159,27 +158,30 @@ class Scheduler:
                 if seq.spec.params.max_new_tokens == 0:
                     self._finish(seq, {"type": "length", "length": 0})
                     continue
-            # Prefill alone (no padding inside the forward), then join the batch's cache.
-            # A retracted sequence re-reads its own sampled tokens except the last, which decode feeds.
-            ids = seq.spec.prompt_ids + seq.output_ids[:-1]
-            cache = DynamicCache(config=self.model.config)
-            logits = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
-            kv = BatchCache(cache, torch.ones(1, len(ids), dtype=torch.long))
-            if not seq.output_ids:
-                self._sample([seq], logits[None])
-                if seq.finished:
-                    continue
-            self._kv = kv if self._kv is None else self._kv.merge(kv)
+            kv = self._prefill(seq)
+            if seq.finished:
+                continue
+            if self._kv is None:
+                self._kv = kv
+            else:
+                self._kv.add(kv)
             self._running.append(seq)
+
+    def _prefill(self, seq: Sequence) -> BatchCache:
+        """Prefill one sequence alone (no padding inside the forward) and sample its first token.
+
+        A retracted sequence re-reads its own sampled tokens except the last, which decode feeds.
+        """
+        ids = seq.spec.prompt_ids + seq.output_ids[:-1]
+        kv = BatchCache.single(self.kv_shape, None, room=len(ids) + 1)
+        logits = kv.forward(self.model, torch.tensor([ids]))
+        if not seq.output_ids:
+            self._sample([seq], logits)
+        return kv
 
     def _decode(self) -> None:
         assert self._kv is not None
-        last = torch.tensor([[s.output_ids[-1]] for s in self._running])
-        positions = torch.tensor([[len(s.spec.prompt_ids) + len(s.output_ids) - 1] for s in self._running])
-        mask = self._kv.grow()
-        mask = None if bool(mask.all()) else mask  # no padding: skip building the padding mask
-        logits = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
-                            cache=self._kv.cache, use_cache=True).logits[:, -1]
+        logits = self._kv.forward(self.model, torch.tensor([[s.output_ids[-1]] for s in self._running]))
         self._sample(self._running, logits)
         self._retire()
 
@@ -225,8 +227,10 @@ class Scheduler:
             seq.notify(len(seq.output_ids))
 
     def _retire(self) -> None:
-        keep = [i for i, s in enumerate(self._running) if not s.finished]
-        if len(keep) == len(self._running):
+        done = [i for i, s in enumerate(self._running) if s.finished]
+        if not done:
             return
-        self._running = [self._running[i] for i in keep]
-        self._kv = self._kv.select(keep) if keep and self._kv is not None else None
+        if len(done) == len(self._running) or self._kv is None:
+            self._running, self._kv = [], None
+            return
+        self._running = [self._running[i] for i in self._kv.remove(done)]
