@@ -22,8 +22,11 @@ __all__ = ["engine_command"]
               help="Stream only the new text/ids/logprobs in each chunk (SGLang's flag); default cumulative.")
 @click.option("--weight-version", default="0", show_default=True, help="Initial weight_version.")
 @click.option("--threads", default=None, type=click.IntRange(min=1), help="torch intra-op threads.")
+@click.option("--prefix-cache-mb", default=1024.0, show_default=True, type=click.FloatRange(min=0),
+              help="Memory for K/V of finished sequences, reused by prompts that extend them (0: off).")
 def engine_command(model_dir: Path, host: str, port: int, max_running_requests: int, context_length: int | None,
-                   incremental_streaming_output: bool, weight_version: str, threads: int | None) -> None:
+                   incremental_streaming_output: bool, weight_version: str, threads: int | None,
+                   prefix_cache_mb: float) -> None:
     """Serve MODEL with SGLang's /generate API subset on CPU (HF transformers, continuous batching)."""
     import torch
     import uvicorn
@@ -33,6 +36,7 @@ def engine_command(model_dir: Path, host: str, port: int, max_running_requests: 
     if threads:
         torch.set_num_threads(threads)
     app = create_app(model_dir, incremental_streaming=incremental_streaming_output,
-                     max_running=max_running_requests, context_length=context_length, weight_version=weight_version)
+                     max_running=max_running_requests, context_length=context_length, weight_version=weight_version,
+                     prefix_cache_mb=prefix_cache_mb)
     click.echo(f"stepline engine: serving {model_dir} on http://{host}:{port}", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 from stepline.engine.kv import BatchCache, KVShape
+from stepline.engine.prefix_cache import PrefixCache
 from stepline.engine.protocol import SequenceSpec
 from stepline.engine.sampling import sample_batch
 
@@ -43,6 +44,13 @@ class Sequence:
     weight_version: str = ""
     stop_text_at: int | None = None  # where `text` is cut for a matched stop string
     generator: torch.Generator | None = None
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at first admission
+    kv_epoch: int = -1  # the scheduler's weight epoch when this sequence's K/V started
+
+    @property
+    def kv_ids(self) -> list[int]:
+        """The ids whose K/V the sequence's cache row holds: the last sampled token is not fed yet."""
+        return self.spec.prompt_ids + self.output_ids[:-1]
 
     @property
     def finished(self) -> bool:
@@ -51,19 +59,22 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, model, tokenizer, eos_token_ids: list[int], weight_version: str = "0",
-                 max_running: int = 64) -> None:
+                 max_running: int = 64, prefix_cache_bytes: int = 0) -> None:
         self.kv_shape = KVShape.of(model)  # a weight update keeps it (same architecture and dtype)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.weight_version = weight_version
         self.max_running = max_running
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self._epoch = 0  # bumped by each weight swap: K/V started under older weights is never cached
         self.paused = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._kv: BatchCache | None = None
         self._admitting: Sequence | None = None  # between the waiting queue and the batch
+        self._unnotified: list[Sequence] = []  # finished, their clients not told yet (see _notify_finished)
         self._thread = threading.Thread(target=self._loop, name="stepline-engine-scheduler", daemon=True)
         self._stopping = False
 
@@ -95,9 +106,22 @@ class Scheduler:
         return len(victims)
 
     def retract(self) -> None:
-        """Put running sequences back in the queue; their KV cache is recomputed on admission."""
+        """Put running sequences back in the queue; their KV cache is recomputed on admission.
+
+        Their K/V goes to the prefix cache first: resumed under the same weights, admission copies it
+        back instead of recomputing; a weight swap in between flushes it.
+        """
+        for row, seq in enumerate(self._running):
+            self._keep(seq, row)
         self._waiting.extendleft(reversed(self._running))
         self._running, self._kv = [], None
+
+    def swap_model(self, model, weight_version: str) -> None:
+        """Serve new weights from the next step on; call on the scheduler thread. The prefix cache is
+        flushed (its K/V belongs to the old weights) and sequences already running are never cached."""
+        self.model, self.weight_version = model.eval(), weight_version
+        self._epoch += 1
+        self.prefix_cache.clear()
 
     @property
     def load(self) -> tuple[int, int]:
@@ -120,9 +144,11 @@ class Scheduler:
                 log.exception("engine step failed")
                 if self._admitting is not None:
                     self._finish(self._admitting, {"type": "abort", "message": f"engine step failed: {exc!r}"})
+                self._kv = None  # mid-step state: nothing of it goes to the prefix cache
                 self.abort(None, f"engine step failed: {exc!r}")
-                self._running, self._kv = [], None
+                self._running = []
             self._admitting = None
+            self._notify_finished()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -135,8 +161,11 @@ class Scheduler:
             else:
                 fn, future = item
                 try:
-                    future.set_result(fn())
+                    result = fn()
+                    self._notify_finished()
+                    future.set_result(result)
                 except Exception as exc:
+                    self._notify_finished()
                     future.set_exception(exc)
             try:
                 item = self._inbox.get_nowait()
@@ -151,15 +180,17 @@ class Scheduler:
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running:
             seq = self._admitting = self._waiting.popleft()
-            if not seq.output_ids:
+            first = not seq.output_ids
+            if first:
                 seq.weight_version = self.weight_version
                 seed = seq.spec.seed if seq.spec.seed is not None else random.getrandbits(63)
                 seq.generator = torch.Generator().manual_seed(seed)
                 if seq.spec.params.max_new_tokens == 0:
                     self._finish(seq, {"type": "length", "length": 0})
                     continue
-            kv = self._prefill(seq)
+            kv = self._prefill(seq, first)
             if seq.finished:
+                self._keep(seq, 0, kv)
                 continue
             if self._kv is None:
                 self._kv = kv
@@ -167,15 +198,21 @@ class Scheduler:
                 self._kv.add(kv)
             self._running.append(seq)
 
-    def _prefill(self, seq: Sequence) -> BatchCache:
+    def _prefill(self, seq: Sequence, first: bool) -> BatchCache:
         """Prefill one sequence alone (no padding inside the forward) and sample its first token.
 
+        The longest prefix found in the prefix cache is copied instead of computed; only the rest
+        (at least the last token, whose logits are sampled from) goes through the model.
         A retracted sequence re-reads its own sampled tokens except the last, which decode feeds.
         """
-        ids = seq.spec.prompt_ids + seq.output_ids[:-1]
-        kv = BatchCache.single(self.kv_shape, None, room=len(ids) + 1)
-        logits = kv.forward(self.model, torch.tensor([ids]))
-        if not seq.output_ids:
+        ids = seq.kv_ids
+        cached, prefix = self.prefix_cache.match(ids)
+        if first:
+            seq.cached_tokens = cached
+        seq.kv_epoch = self._epoch
+        kv = BatchCache.single(self.kv_shape, prefix, room=len(ids) - cached + 1)
+        logits = kv.forward(self.model, torch.tensor([ids[cached:]]))
+        if first:
             self._sample([seq], logits)
         return kv
 
@@ -224,12 +261,32 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
         if not seq.finished:
             seq.finish_reason = reason
+            self._unnotified.append(seq)
+
+    def _notify_finished(self) -> None:
+        """Tell the clients of finished sequences, once the step or control call that finished them is
+        over: by then their K/V is in the prefix cache, so a client's next turn (or a look at
+        /model_info) already finds it."""
+        done, self._unnotified = self._unnotified, []
+        for seq in done:
             seq.notify(len(seq.output_ids))
+
+    def _keep(self, seq: Sequence, row: int, kv: BatchCache | None = None) -> None:
+        """Offer the K/V of `seq` (row `row` of kv, default the batch's) to the prefix cache, unless it
+        was (partly) computed under older weights."""
+        kv = kv if kv is not None else self._kv
+        if not self.prefix_cache.enabled or kv is None or seq.kv_epoch != self._epoch:
+            return
+        ids = seq.kv_ids
+        assert kv.lengths[row] == len(ids), f"cache row holds {kv.lengths[row]} slots for {len(ids)} ids"
+        self.prefix_cache.insert(ids, kv.row_kv(row))
 
     def _retire(self) -> None:
         done = [i for i, s in enumerate(self._running) if s.finished]
         if not done:
             return
+        for row in done:
+            self._keep(self._running[row], row)
         if len(done) == len(self._running) or self._kv is None:
             self._running, self._kv = [], None
             return

@@ -4,8 +4,8 @@
                                    stream (SSE), rid  ->  {text, output_ids, meta_info} (or a list)
     POST /update_weights_from_disk {model_path, weight_version?}; a failed load keeps the old weights
     POST /pause_generation {mode}, /continue_generation, /abort_request {rid | abort_all},
-         /flush_cache, /update_weight_version {new_version}
-    GET  /health, /health_generate, /model_info (= /get_model_info), /get_weight_version
+         /flush_cache (empties the prefix cache), /update_weight_version {new_version}
+    GET  /health, /health_generate, /model_info (= /get_model_info), /get_server_info, /get_weight_version
 
 Errors: malformed JSON, wrong types and impossible values are 400 with {"error": {"message": ...}}.
 """
@@ -42,15 +42,23 @@ def load_model(path: Path | str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+DEFAULT_PREFIX_CACHE_MB = 1024.0
+
+
 def create_app(model_dir: Path | str, *, incremental_streaming: bool = False, max_running: int = 64,
-               context_length: int | None = None, weight_version: str = "0") -> FastAPI:
-    """The engine as an ASGI app; its scheduler thread runs while the app's lifespan does."""
+               context_length: int | None = None, weight_version: str = "0",
+               prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> FastAPI:
+    """The engine as an ASGI app; its scheduler thread runs while the app's lifespan does.
+
+    prefix_cache_mb bounds the K/V kept of finished sequences for later prompts that extend them (0: off).
+    """
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     model = load_model(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    scheduler = Scheduler(model, tokenizer, _eos_ids(model, tokenizer), weight_version, max_running)
+    scheduler = Scheduler(model, tokenizer, _eos_ids(model, tokenizer), weight_version, max_running,
+                          prefix_cache_bytes=int(prefix_cache_mb * 2**20))
     state = _State(scheduler, tokenizer, str(model_dir), context_length or model.config.max_position_embeddings,
                    incremental_streaming)
 
@@ -128,7 +136,7 @@ async def update_weights_from_disk(req: UpdateWeightsRequest, st: _State = Depen
         def swap() -> None:
             if req.abort_all_requests:
                 st.scheduler.abort(None, "aborted for a weight update")
-            st.scheduler.model, st.scheduler.weight_version = new, version
+            st.scheduler.swap_model(new, version)
 
         await st.control(swap)
         st.model_path = req.model_path
@@ -172,8 +180,9 @@ async def abort_request(req: AbortRequest, st: _State = Depends(_engine)) -> Res
     return _json({"success": True, "aborted": count})
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
-async def flush_cache() -> Response:
-    return PlainTextResponse("Cache flushed.\n")  # no prefix cache to flush; running KV stays valid
+async def flush_cache(st: _State = Depends(_engine)) -> Response:
+    await st.control(st.scheduler.prefix_cache.clear)  # running sequences keep their own K/V
+    return PlainTextResponse("Cache flushed.\n")
 
 @router.get("/health")
 @router.get("/health_generate")
@@ -188,7 +197,18 @@ async def model_info(st: _State = Depends(_engine)) -> Response:
                   "weight_version": st.scheduler.weight_version, "vocab_size": st.vocab_size,
                   "context_length": st.context_length, "paused": st.scheduler.paused,
                   "running_requests": running, "waiting_requests": waiting,
-                  "eos_token_ids": sorted(st.scheduler.eos_token_ids)})
+                  "eos_token_ids": sorted(st.scheduler.eos_token_ids),
+                  "prefix_cache": st.scheduler.prefix_cache.stats()})
+
+
+@router.get("/get_server_info")
+async def server_info(st: _State = Depends(_engine)) -> Response:
+    """The engine's settings and counters (SGLang's route; its fields are the engine's own)."""
+    running, waiting = st.scheduler.load
+    return _json({"model_path": st.model_path, "dtype": str(st.scheduler.kv_shape.dtype).removeprefix("torch."),
+                  "max_running_requests": st.scheduler.max_running, "context_length": st.context_length,
+                  "weight_version": st.scheduler.weight_version, "running_requests": running,
+                  "waiting_requests": waiting, "prefix_cache": st.scheduler.prefix_cache.stats()})
 
 @router.get("/get_weight_version")
 async def get_weight_version(st: _State = Depends(_engine)) -> Response:
@@ -248,7 +268,7 @@ def _result(st: _State, req: GenerateRequest, seq: Sequence, n: int, start: int,
         text = text[len(st.tokenizer.decode(ids[:start], skip_special_tokens=p.skip_special_tokens)):]
     meta: dict[str, Any] = {
         "id": seq.spec.rid, "finish_reason": reason, "prompt_tokens": len(seq.spec.prompt_ids),
-        "completion_tokens": n, "cached_tokens": 0, "weight_version": seq.weight_version,
+        "completion_tokens": n, "cached_tokens": seq.cached_tokens, "weight_version": seq.weight_version,
         "e2e_latency": time.perf_counter() - started,
     }
     if req.return_logprob:
