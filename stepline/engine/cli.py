@@ -24,9 +24,11 @@ __all__ = ["engine_command"]
 @click.option("--threads", default=None, type=click.IntRange(min=1), help="torch intra-op threads.")
 @click.option("--prefix-cache-mb", default=1024.0, show_default=True, type=click.FloatRange(min=0),
               help="Memory for K/V of finished sequences, reused by prompts that extend them (0: off).")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
+              help="Weights and K/V dtype; bfloat16 is faster on CPUs with bf16 units, its logprobs less exact.")
 def engine_command(model_dir: Path, host: str, port: int, max_running_requests: int, context_length: int | None,
                    incremental_streaming_output: bool, weight_version: str, threads: int | None,
-                   prefix_cache_mb: float) -> None:
+                   prefix_cache_mb: float, dtype: str) -> None:
     """Serve MODEL with SGLang's /generate API subset on CPU (HF transformers, continuous batching)."""
     import torch
     import uvicorn
@@ -37,6 +39,6 @@ def engine_command(model_dir: Path, host: str, port: int, max_running_requests: 
         torch.set_num_threads(threads)
     app = create_app(model_dir, incremental_streaming=incremental_streaming_output,
                      max_running=max_running_requests, context_length=context_length, weight_version=weight_version,
-                     prefix_cache_mb=prefix_cache_mb)
+                     prefix_cache_mb=prefix_cache_mb, dtype=dtype)
     click.echo(f"stepline engine: serving {model_dir} on http://{host}:{port}", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

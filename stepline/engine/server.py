@@ -34,12 +34,17 @@ from stepline.engine.protocol import (
 )
 from stepline.engine.scheduler import Scheduler, Sequence
 
-__all__ = ["create_app", "load_model"]
+__all__ = ["DTYPES", "create_app", "load_model"]
+
+# Weight (and K/V) dtypes the engine serves in. bfloat16 halves the weights read per decode step and
+# runs matmuls on the CPU's bf16 units where it has them (avx512_bf16); its logprobs are those of the
+# bf16 model (benchmarks/bench_engine.py reports how far they are from float32's).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def load_model(path: Path | str):
-    """The model in `path` for inference on CPU (float32, eval mode)."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def load_model(path: Path | str, dtype: str = "float32"):
+    """The model in `path` for inference on CPU, in `dtype` (a key of DTYPES), eval mode."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
 
 
 DEFAULT_PREFIX_CACHE_MB = 1024.0
@@ -47,20 +52,23 @@ DEFAULT_PREFIX_CACHE_MB = 1024.0
 
 def create_app(model_dir: Path | str, *, incremental_streaming: bool = False, max_running: int = 64,
                context_length: int | None = None, weight_version: str = "0",
-               prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> FastAPI:
+               prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, dtype: str = "float32") -> FastAPI:
     """The engine as an ASGI app; its scheduler thread runs while the app's lifespan does.
 
-    prefix_cache_mb bounds the K/V kept of finished sequences for later prompts that extend them (0: off).
+    prefix_cache_mb bounds the K/V kept of finished sequences for later prompts that extend them (0: off);
+    dtype (float32 or bfloat16) is that of the weights and K/V, also for weights loaded later.
     """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     scheduler = Scheduler(model, tokenizer, _eos_ids(model, tokenizer), weight_version, max_running,
                           prefix_cache_bytes=int(prefix_cache_mb * 2**20))
     state = _State(scheduler, tokenizer, str(model_dir), context_length or model.config.max_position_embeddings,
-                   incremental_streaming)
+                   incremental_streaming, dtype)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -78,8 +86,8 @@ def create_app(model_dir: Path | str, *, incremental_streaming: bool = False, ma
 
 class _State:
     def __init__(self, scheduler: Scheduler, tokenizer, model_path: str, context_length: int,
-                 incremental: bool) -> None:
-        self.scheduler, self.tokenizer, self.model_path = scheduler, tokenizer, model_path
+                 incremental: bool, dtype: str) -> None:
+        self.scheduler, self.tokenizer, self.model_path, self.dtype = scheduler, tokenizer, model_path, dtype
         self.context_length, self.incremental = context_length, incremental
         self.update_lock = asyncio.Lock()
 
@@ -127,7 +135,7 @@ async def update_weights_from_disk(req: UpdateWeightsRequest, st: _State = Depen
         try:
             if not Path(req.model_path).is_dir():
                 raise BadRequest(f"model_path {req.model_path!r} is not a directory")
-            new = await run_in_threadpool(load_model, req.model_path)
+            new = await run_in_threadpool(load_model, req.model_path, st.dtype)
             _check_compatible(old, new)
         except Exception as exc:  # the edge: any load failure is the caller's path; old weights stay
             return _json({"success": False, "message": f"Failed to load weights: {exc}"}, 400)
@@ -205,7 +213,7 @@ async def model_info(st: _State = Depends(_engine)) -> Response:
 async def server_info(st: _State = Depends(_engine)) -> Response:
     """The engine's settings and counters (SGLang's route; its fields are the engine's own)."""
     running, waiting = st.scheduler.load
-    return _json({"model_path": st.model_path, "dtype": str(st.scheduler.kv_shape.dtype).removeprefix("torch."),
+    return _json({"model_path": st.model_path, "dtype": st.dtype,
                   "max_running_requests": st.scheduler.max_running, "context_length": st.context_length,
                   "weight_version": st.scheduler.weight_version, "running_requests": running,
                   "waiting_requests": waiting, "prefix_cache": st.scheduler.prefix_cache.stats()})

@@ -19,13 +19,15 @@ __all__ = ["running_engine"]
 @contextmanager
 def running_engine(model_dir: Path | str, *, incremental_streaming: bool = False, max_running: int = 64,
                    context_length: int | None = None, weight_version: str = "0",
-                   prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, startup_timeout: float = 60.0) -> Iterator[str]:
+                   prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, dtype: str = "float32",
+                   startup_timeout: float = 60.0) -> Iterator[str]:
     """Serve `model_dir` on a free 127.0.0.1 port; yield its base URL ("http://127.0.0.1:PORT").
 
     The server and its scheduler thread stop when the block exits.
     """
     app = create_app(model_dir, incremental_streaming=incremental_streaming, max_running=max_running,
-                     context_length=context_length, weight_version=weight_version, prefix_cache_mb=prefix_cache_mb)
+                     context_length=context_length, weight_version=weight_version, prefix_cache_mb=prefix_cache_mb,
+                     dtype=dtype)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
