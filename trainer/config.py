@@ -31,6 +31,8 @@ class TrainerConfig(BaseModel):
     device: str = Field("auto", description="torch device: auto (cuda if available) | cpu | cuda | cuda:N")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype of the policy")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="HF attention for the tree mask")
+    keep_freed_memory: bool = Field(True, description="CPU, glibc: freed tensors stay in the process heap instead "
+                                    "of being unmapped and page-faulted back in at every step (see trainer/memory.py)")
 
     # --- data ---
     groups_per_update: int = Field(8, ge=1, description="groups claimed from the pool per policy update")

@@ -26,6 +26,7 @@ from trainer.batch import action_tokens, build_batch
 from trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.critic import ValueHead
+from trainer.memory import keep_freed_memory
 from trainer.metrics import MetricsLog, progress_bar
 from trainer.update import Objective, Policy, update
 from trainer.weight_sync import WeightSync, save_weights
@@ -97,6 +98,8 @@ def build_policy(cfg: TrainerConfig) -> Policy:
     """Model, optional value head and frozen reference, AdamW (the head in its own group) and the schedule."""
     device = device_of(cfg)
     dtype = getattr(torch, cfg.dtype)
+    if cfg.keep_freed_memory and device.type == "cpu":
+        keep_freed_memory()
 
     def load() -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=dtype,
@@ -108,7 +111,10 @@ def build_policy(cfg: TrainerConfig) -> Policy:
     param_groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.lr}]
     if value_head is not None:
         param_groups.append({"params": list(value_head.parameters()), "lr": cfg.critic_lr, "weight_decay": 0.0})
-    optimizer = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    # fused: one kernel over all tensors, 6-8x faster than the foreach default on CPU for 135M parameters;
+    # the same update up to float rounding (1 ulp)
+    optimizer = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                  fused=device.type in ("cpu", "cuda"))
     steps = cfg.max_updates * cfg.epochs * cfg.minibatches if cfg.max_updates else None
     name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[cfg.schedule]
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=steps)

@@ -186,10 +186,13 @@ def forest_forward(
     forest: PackedForest,
     value_head: nn.Module | None = None,
     with_entropy: bool = True,
+    entropy_grad: bool = True,
 ) -> ForestOutput:
     """One forward pass of a Hugging Face causal LM over the packed forest.
 
     Only the A source positions go through the LM head, so memory is O(A × vocab), not O(N × vocab).
+    `entropy_grad=False` computes the entropy as a detached statistic: an entropy bonus of 0 needs no
+    gradient through it, and its A × vocab graph (exp, product, sum) is the costliest part of the head.
     """
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -201,15 +204,20 @@ def forest_forward(
                            use_cache=False)
     hidden = out.last_hidden_state.flatten(0, 1)[flat[forest.sources].to(device)]  # [A, H]
     return _score(model, hidden, forest.input_ids[forest.targets].to(device), forest.temperature.to(device),
-                  value_head, with_entropy)
+                  value_head, with_entropy, entropy_grad)
 
 
 def _score(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-           value_head: nn.Module | None, with_entropy: bool) -> ForestOutput:
-    logits = model.get_output_embeddings()(hidden).float() / temperature[:, None]  # [A, V]
+           value_head: nn.Module | None, with_entropy: bool, entropy_grad: bool = True) -> ForestOutput:
+    logits = model.get_output_embeddings()(hidden).float()  # [A, V]
+    if not bool((temperature == 1).all()):  # x / 1 is x exactly: skip an A × vocab pass (and its backward)
+        logits = logits / temperature[:, None]
     logp = torch.log_softmax(logits, dim=-1)
     logprobs = logp.gather(-1, targets[:, None]).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = -(logp.exp() * logp).sum(-1)
     values = value_head(hidden).float().squeeze(-1) if value_head is not None else None
     return ForestOutput(logprobs=logprobs, entropy=entropy, values=values)
 

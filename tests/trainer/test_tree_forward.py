@@ -122,3 +122,18 @@ def test_fresh_policy_matches_the_builtin_engine_through_the_pool(tiny_model_dir
     with torch.no_grad():
         out = forest_forward(load(tiny_model_dir), forest)
     torch.testing.assert_close(out.logprobs, forest.behaviour_logprobs, atol=1e-4, rtol=0)
+
+
+def test_detached_entropy_changes_nothing_but_the_graph(tiny_model_dir: Path) -> None:
+    # the update asks for a detached entropy when its bonus is 0: same values, same logprob gradients, no graph
+    model = load(tiny_model_dir)
+    forest = pack_forest([episode_from_calls("s", multi_turn(5))])
+    outs, grads = [], []
+    for entropy_grad in (True, False):
+        model.zero_grad()
+        out = forest_forward(model, forest, entropy_grad=entropy_grad)
+        out.logprobs.sum().backward()
+        outs.append(out)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert outs[0].entropy.requires_grad and not outs[1].entropy.requires_grad
+    assert torch.equal(outs[0].entropy.detach(), outs[1].entropy) and torch.equal(grads[0], grads[1])
