@@ -35,8 +35,8 @@ async def evaluate(config: RolloutConfig, gateway_url: str, admin_token: str | N
     "episodes": [...]}."""
     tasks = await asyncio.to_thread(lambda: {h.name: spread(list_tasks(h, split), limit) for h in config.harnesses})
     with tempfile.TemporaryDirectory(prefix="stepline-eval-", dir=config.work_dir) as work:
-        async with GatewayClient(gateway_url, admin_token) as gateway:
-            driver = RolloutDriver(config.model_copy(update={"retries": 0}), gateway, Path(work))
+        async with (GatewayClient(gateway_url, admin_token) as gateway,
+                    RolloutDriver(config.model_copy(update={"retries": 0}), gateway, Path(work)) as driver):
             await asyncio.gather(*(
                 driver.run_group(spec, task_id, group_size=1, metadata={**EVAL_METADATA, "split": split}, prefix="eval::")
                 for spec in config.harnesses for task_id in tasks[spec.name]

@@ -1,19 +1,27 @@
-"""The rollout driver: runs harness processes against the gateway, one session per episode.
+"""The rollout driver: runs harness episodes against the gateway, one session per episode.
 
 For each drawn task it opens G sessions (one group, an explicit group id, so GRPO baselines stay
-per task × harness), launches the harness once per session with that session's endpoint in its
-environment, kills it at the episode timeout (its whole process group), runs the verifier, posts
-the reward and ends the session. A harness that crashes, hangs or exits non-zero ends as a *failed*
-episode with a reason (reward `failed_reward`, or none if not `score_failed`); a verifier that
-throws or prints garbage scores 0 and the reason is logged; the job goes on either way.
+per task × harness), plays the harness once per session with that session's endpoint, kills it at
+the episode timeout (its whole process group), runs the verifier, posts the reward and ends the
+session. A harness that crashes, hangs or exits non-zero ends as a *failed* episode with a reason
+(reward `failed_reward`, or none if not `score_failed`); a verifier that throws or prints garbage
+scores 0 and the reason is logged; the job goes on either way.
 
-Harness processes get: OPENAI_BASE_URL/OPENAI_API_KEY, ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY,
-STEPLINE_SESSION_ID, STEPLINE_TASK_ID, STEPLINE_OUT_DIR (their own directory) and
-STEPLINE_REWARD_URL (POST {"value": x} there with the session key as Bearer, for harnesses without
-a verifier).
+Two ways to play an episode:
 
-    async with GatewayClient(url, token) as gw:
-        driver = RolloutDriver(config, gw, work_dir)
+- a module harness with `persistent` (the default) is played by its long-lived worker
+  (`python -m <module>.serve`, trainer/rollout_worker.py): one warm process per module forks a child
+  per episode, which runs `run` and `verify`'s code in-process, so no episode pays an interpreter
+  start or the SDK import. A worker that dies or hangs fails its episodes in flight and is restarted.
+- otherwise (an external `command`, `persistent = false`, or a module without `serve`) one `run`
+  process and one `verify` process per episode, as below.
+
+Episodes get (harness processes in their environment, worker children in theirs):
+OPENAI_BASE_URL/OPENAI_API_KEY, ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY, STEPLINE_SESSION_ID,
+STEPLINE_TASK_ID, STEPLINE_OUT_DIR (their own directory) and STEPLINE_REWARD_URL (POST {"value": x}
+there with the session key as Bearer, for harnesses without a verifier).
+
+    async with GatewayClient(url, token) as gw, RolloutDriver(config, gw, work_dir) as driver:
         stats = await driver.run(num_groups=32)          # or run(None, stop=event) until stopped
 """
 
@@ -36,13 +44,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer import rollout_worker
 from trainer.rollout_config import HarnessSpec, RolloutConfig, list_tasks
 from trainer.rollout_gateway import GatewayClient, GatewayError, SessionHandle
+from trainer.rollout_worker import HarnessWorker, WorkerError, WorkerMissing
 
 __all__ = ["EpisodeResult", "HarnessStats", "RolloutDriver", "format_stats", "run_rollouts"]
 
 log = logging.getLogger("stepline.rollout")
 TAIL = 400  # bytes of a process's output quoted in a failure reason
+SESSION_KEYS = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY")
+Scored = tuple[Literal["completed", "failed"], float | None, bool, str]  # status, reward, success, reason
 
 
 @dataclass
@@ -90,6 +102,14 @@ class _Outcome:
     stderr: str  # tail
 
 
+@dataclass
+class _Played:
+    """How playing went: `failure` says why the episode failed; `verdict` is the worker's verifier's."""
+
+    failure: str | None = None
+    verdict: tuple[float, bool, str] | None = None
+
+
 async def run_process(argv: list[str], env: Mapping[str, str], cwd: Path, timeout: float, logs: Path) -> _Outcome:
     """Run argv in a new session with output to logs.{stdout,stderr}; SIGKILL the whole group at the
     timeout, and after exit too, so that nothing the process started outlives it."""
@@ -115,10 +135,14 @@ def parse_verdict(stdout: str) -> tuple[float, bool, str]:
     lines = [line for line in stdout.splitlines() if line.strip()]
     if not lines:
         raise ValueError("verifier printed nothing")
-    data = json.loads(lines[-1])
+    return verdict_of(json.loads(lines[-1]))
+
+
+def verdict_of(data: Any) -> tuple[float, bool, str]:
+    """(reward, success, reason) from a verdict object {"reward": x, "success"?, "reason"?}."""
     reward = data["reward"] if isinstance(data, dict) else None
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        raise ValueError(f"no finite numeric reward in {lines[-1][:120]!r}")
+        raise ValueError(f"no finite numeric reward in {str(data)[:120]!r}")
     return float(reward), bool(data.get("success", reward >= 1.0)), str(data.get("reason", ""))
 
 
@@ -135,6 +159,19 @@ class RolloutDriver:
         self._slots = asyncio.Semaphore(config.max_concurrency)
         self._started = time.monotonic()
         self._draw: _TaskDraw | None = None
+        self.workers: dict[str, HarnessWorker] = {}  # by module, started on first use
+        self._no_worker: set[str] = set()  # modules without a serve submodule
+
+    async def __aenter__(self) -> RolloutDriver:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the harness workers. (Without it they still end: with the driver's thread, via their
+        parent-death signal, or at the end of their stdin.)"""
+        await asyncio.gather(*(worker.close() for worker in self.workers.values()))
 
     # --- one episode ---
 
@@ -169,20 +206,44 @@ class RolloutDriver:
         return EpisodeResult(spec.name, task_id, handle.session_id, status, reward, success, reason,
                              seconds=time.monotonic() - started)
 
-    async def _play_and_score(self, spec: HarnessSpec, task_id: str, handle: SessionHandle,
-                              out: Path) -> tuple[Literal["completed", "failed"], float | None, bool, str]:
-        env = self._env(spec, task_id, handle, out)
-        failed_reward = self.config.failed_reward if self.config.score_failed else None
-        played = await run_process(self._run_argv(spec, task_id, out), env, Path.cwd(), self.config.episode_timeout_s, out / "harness")
+    async def _play_and_score(self, spec: HarnessSpec, task_id: str, handle: SessionHandle, out: Path) -> Scored:
+        env = self._episode_env(spec, task_id, handle, out)
+        played = await self._play(spec, task_id, env, out)
+        if played.failure is not None:
+            failed_reward = self.config.failed_reward if self.config.score_failed else None
+            return "failed", failed_reward, False, played.failure
+        if played.verdict is not None:
+            return "completed", *played.verdict
+        return await self._verify_in_process(spec, task_id, env, out)
+
+    async def _play(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> _Played:
+        """In the module's worker when it has one, else in a process of its own."""
+        worker = self._worker(spec)
+        if worker is not None:
+            try:
+                return _from_worker(await worker.episode(self._request(spec, task_id, env, out), self._deadline()))
+            except WorkerMissing as exc:
+                log.warning("harness %s: %s; one process per episode instead", spec.name, exc)
+                self._no_worker.add(worker.module)
+            except WorkerError as exc:
+                return _Played(failure=str(exc))
+        return await self._play_in_process(spec, task_id, env, out)
+
+    async def _play_in_process(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> _Played:
+        played = await run_process(self._run_argv(spec, task_id, out), {**os.environ, **env}, Path.cwd(),
+                                   self.config.episode_timeout_s, out / "harness")
         if played.returncode is None:
-            return "failed", failed_reward, False, f"harness timed out after {self.config.episode_timeout_s:g}s"
+            return _Played(failure=f"harness timed out after {self.config.episode_timeout_s:g}s")
         if played.returncode != 0:
             last = (played.stderr.strip().splitlines() or ["(no stderr)"])[-1]
-            return "failed", failed_reward, False, f"harness exited with {played.returncode}: {last}"
+            return _Played(failure=f"harness exited with {played.returncode}: {last}")
+        return _Played()
+
+    async def _verify_in_process(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> Scored:
         argv = self._verify_argv(spec, task_id, out)
         if argv is None:
             return "completed", None, False, "reward posted by the harness"
-        checked = await run_process(argv, env, Path.cwd(), self.config.verify_timeout_s, out / "verify")
+        checked = await run_process(argv, {**os.environ, **env}, Path.cwd(), self.config.verify_timeout_s, out / "verify")
         try:
             if checked.returncode is None:
                 raise ValueError(f"verifier timed out after {self.config.verify_timeout_s:g}s")
@@ -191,6 +252,32 @@ class RolloutDriver:
             log.warning("verifier of %s %s scored 0: %s (stderr: %s)", spec.name, task_id, exc, checked.stderr[-200:])
             return "completed", 0.0, False, f"verifier error: {exc}"
         return "completed", reward, success, reason
+
+    def _worker(self, spec: HarnessSpec) -> HarnessWorker | None:
+        """The module's worker (created on first use), or None where episodes run as processes."""
+        if spec.module is None or not spec.persistent or spec.module in self._no_worker:
+            return None
+        if spec.module not in self.workers:
+            # The worker holds no session's endpoint: each request brings its own (trainer/rollout_worker.py).
+            env = {k: v for k, v in os.environ.items() if k not in SESSION_KEYS and not k.startswith("STEPLINE_")}
+            log_file = self.work_dir / "workers" / f"{spec.module}.stderr"
+            self.workers[spec.module] = HarnessWorker(spec.module, self.python, log_file, env, Path.cwd())
+        return self.workers[spec.module]
+
+    def _request(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> dict[str, Any]:
+        """The worker's request: what `run` would get as options and environment (agents/common/serve.py)."""
+        request: dict[str, Any] = {
+            "task_id": task_id, "out": str(out / "episode"), "logs": str(out), "max_turns": spec.max_turns,
+            "timeout_s": self.config.episode_timeout_s, "verify_timeout_s": self.config.verify_timeout_s,
+            "verify": spec.verify_command is None, "env": env,
+        }
+        if spec.max_tokens is not None:
+            request["max_tokens"] = spec.max_tokens
+        return request
+
+    def _deadline(self) -> float:
+        """How long an answer may take before the worker is taken for hung: its own two timeouts and a grace."""
+        return self.config.episode_timeout_s + self.config.verify_timeout_s + rollout_worker.GRACE_S
 
     async def _report(self, handle: SessionHandle, status: str, reward: float | None, reason: str) -> str:
         """Post the reward and end the session; a gateway error is logged and noted in the reason."""
@@ -203,9 +290,10 @@ class RolloutDriver:
             return f"{reason}; gateway: {exc}"
         return reason
 
-    def _env(self, spec: HarnessSpec, task_id: str, handle: SessionHandle, out: Path) -> dict[str, str]:
+    def _episode_env(self, spec: HarnessSpec, task_id: str, handle: SessionHandle, out: Path) -> dict[str, str]:
+        """The episode's own variables (its session's endpoint and STEPLINE_*), on top of the driver's environment."""
         return {
-            **os.environ, **handle.env(), "STEPLINE_TASK_ID": task_id, "STEPLINE_HARNESS": spec.name,
+            **handle.env(), "STEPLINE_TASK_ID": task_id, "STEPLINE_HARNESS": spec.name,
             "STEPLINE_OUT_DIR": str(out), "STEPLINE_REWARD_URL": f"{self.gateway.url}/sessions/{handle.session_id}/reward",
         }
 
@@ -213,7 +301,8 @@ class RolloutDriver:
         if spec.command is not None:
             return ["/bin/sh", "-c", spec.command]
         turns = ["--max-turns", str(spec.max_turns)] if spec.max_turns else []
-        return [self.python, "-m", f"{spec.module}.run", "--task", task_id, "--out", str(out / "episode"), *turns]
+        tokens = ["--max-tokens", str(spec.max_tokens)] if spec.max_tokens else []
+        return [self.python, "-m", f"{spec.module}.run", "--task", task_id, "--out", str(out / "episode"), *turns, *tokens]
 
     def _verify_argv(self, spec: HarnessSpec, task_id: str, out: Path) -> list[str] | None:
         if spec.verify_command is not None:
@@ -272,6 +361,20 @@ class _TaskDraw:
         return spec, queue.pop()
 
 
+def _from_worker(answer: dict[str, Any]) -> _Played:
+    """A worker's answer (agents/common/serve.py): {"outcome": "ran"|"failed", "reason", "verdict"}."""
+    if answer.get("outcome") == "failed":
+        return _Played(failure=str(answer.get("reason") or "harness failed"))
+    if answer.get("outcome") != "ran":
+        return _Played(failure=f"harness worker answered garbage: {str(answer)[:200]}")
+    if answer.get("verdict") is None:
+        return _Played()  # the driver runs the external verify_command
+    try:
+        return _Played(verdict=verdict_of(answer["verdict"]))
+    except ValueError as exc:
+        return _Played(verdict=(0.0, False, f"verifier error: {exc}"))
+
+
 def _all_tasks(config: RolloutConfig) -> dict[str, list[str]]:
     return {spec.name: list_tasks(spec) for spec in config.harnesses}
 
@@ -289,8 +392,7 @@ async def run_rollouts(config: RolloutConfig, gateway_url: str, num_groups: int,
                        stop: asyncio.Event | None = None) -> tuple[dict[str, dict[str, float]], list[EpisodeResult]]:
     """Convenience: open a gateway client and a work dir, run `num_groups` groups, return stats and results."""
     with tempfile.TemporaryDirectory(prefix="stepline-rollout-", dir=config.work_dir) as work:
-        async with GatewayClient(gateway_url, admin_token) as gateway:
-            driver = RolloutDriver(config, gateway, Path(work))
+        async with GatewayClient(gateway_url, admin_token) as gateway, RolloutDriver(config, gateway, Path(work)) as driver:
             stats = await driver.run(num_groups, stop)
             return stats, driver.results
 

@@ -5,8 +5,8 @@
     max_concurrency = 8
     [[rollout.harnesses]]
     name = "terminal"
-    module = "agents.terminal"          # python -m agents.terminal.{tasks,run,verify} (the harness contract)
-    weight = 2.0
+    module = "agents.terminal"          # python -m agents.terminal.{tasks,run,verify,serve} (the harness contract)
+    weight = 2.0                        # persistent = true (default): episodes played by one long-lived worker
     [[rollout.harnesses]]
     name = "mine"
     command = "python my_agent.py"      # any program: endpoint in OPENAI_*/ANTHROPIC_*, task in STEPLINE_TASK_ID
@@ -41,6 +41,11 @@ class HarnessSpec(BaseModel):
     weight: float = Field(1.0, gt=0, description="relative share of groups drawn from this harness")
     split: Literal["train", "test"] = Field("train", description="task split used for training rollouts")
     max_turns: int | None = Field(None, ge=1, description="--max-turns passed to a module harness")
+    max_tokens: int | None = Field(None, ge=1, le=4096, description="--max-tokens passed to a module harness")
+    persistent: bool = Field(
+        True, description="a module harness plays its episodes in one long-lived worker (`python -m <module>.serve`, "
+                          "forking a child per episode) instead of one `run` and one `verify` process per episode; "
+                          "a module without a serve submodule falls back to processes")
 
     @model_validator(mode="after")
     def _one_program(self) -> HarnessSpec:
@@ -59,8 +64,9 @@ class RolloutConfig(BaseModel):
     harnesses: list[HarnessSpec] = Field(default_factory=list, description="the harness mix")
     group_size: int = Field(4, ge=1, description="sessions per task (G); one group is G episodes of one task")
     max_concurrency: int = Field(8, ge=1, description="episodes running at once")
-    episode_timeout_s: float = Field(300.0, gt=0, description="wall time of one harness process, then SIGKILL")
-    verify_timeout_s: float = Field(60.0, gt=0, description="wall time of one verifier process")
+    episode_timeout_s: float = Field(
+        300.0, gt=0, description="wall time of one episode (a harness process, or a worker's child), then SIGKILL")
+    verify_timeout_s: float = Field(60.0, gt=0, description="wall time of one verifier (process or worker child)")
     retries: int = Field(0, ge=0, description="re-runs of a failed episode in a new session (the failure stays recorded)")
     failed_reward: float = Field(0.0, description="reward posted for a failed episode (crash, hang, non-zero exit)")
     score_failed: bool = Field(

@@ -48,6 +48,26 @@ def tasks_command(split_ids: Callable[[str], list[str]]) -> click.Command:
     return tasks
 
 
+def record_episode(harness: str, task_id: str, expert: bool, out_dir: Path, play: Callable[[], Episode]) -> Episode:
+    """Play and write DIR/episode.json. Shared by `run` and the worker (agents/common/serve.py), so both
+    record the same episode; a harness bug still leaves a scorable (0) episode that says why."""
+    try:
+        episode = play()
+    except Exception as exc:  # the episode's edge (a process, or a worker's child)
+        traceback.print_exc()
+        episode = Episode(harness=harness, task_id=task_id, expert=expert, finish="error",
+                          error=f"harness crashed: {type(exc).__name__}: {exc}")
+    write_episode(out_dir, episode)
+    return episode
+
+
+def exit_for(episode: Episode) -> None:
+    """The `run` exit status: 1 (with the reason on stderr) when the episode broke, else return."""
+    if episode.error:
+        click.echo(f"episode failed: {episode.error}", err=True)
+        sys.exit(1)
+
+
 def run_command(
     harness: str, play: Callable[[str, int, int, bool], Episode], known: Callable[[str], bool], default_max_turns: int
 ) -> click.Command:
@@ -63,16 +83,7 @@ def run_command(
     def run(task_id: str, out_dir: Path, max_turns: int, max_tokens: int, expert: bool) -> None:
         if not known(task_id):
             raise click.BadParameter(f"unknown task {task_id!r}", param_hint="--task")
-        try:
-            episode = play(task_id, max_turns, max_tokens, expert)
-        except Exception as exc:  # the process edge: a harness bug still leaves a scorable (0) episode
-            traceback.print_exc()
-            episode = Episode(harness=harness, task_id=task_id, expert=expert, finish="error",
-                              error=f"harness crashed: {type(exc).__name__}: {exc}")
-        write_episode(out_dir, episode)
-        if episode.error:
-            click.echo(f"episode failed: {episode.error}", err=True)
-            sys.exit(1)
+        exit_for(record_episode(harness, task_id, expert, out_dir, lambda: play(task_id, max_turns, max_tokens, expert)))
 
     return run
 

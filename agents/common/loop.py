@@ -11,6 +11,7 @@ a scripted expert returns turns built with `tool_turn` / `final_turn`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from agents.common.tools import Tool, call_tool, openai_schema
 
 
 if TYPE_CHECKING:
+    import ssl
+
     import openai
 
 
@@ -56,6 +59,16 @@ def final_turn(text: str) -> Turn:
     return Turn(text, [])
 
 
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """httpx's default TLS context (certifi, or SSL_CERT_FILE/SSL_CERT_DIR), built once per process:
+    building it is most of what an SDK client costs (~15 ms), and a harness worker's children inherit
+    the one it built before forking (agents/common/serve.py). Pass it as the SDK's http_client verify."""
+    import httpx
+
+    return httpx.create_ssl_context()
+
+
 class OpenAIPolicy:
     """Asks an OpenAI-compatible endpoint (OPENAI_BASE_URL / OPENAI_API_KEY) for each turn."""
 
@@ -76,6 +89,7 @@ class OpenAIPolicy:
                 api_key=os.environ.get("OPENAI_API_KEY") or "none",
                 max_retries=int(os.environ.get("AGENT_MAX_RETRIES", "5")),
                 timeout=float(os.environ.get("AGENT_REQUEST_TIMEOUT_S", "300")),
+                http_client=openai.DefaultHttpxClient(verify=tls_context()),
             )
         return self.client
 

@@ -8,7 +8,8 @@ whatever a policy function returns for the request body:
         env = {"OPENAI_BASE_URL": server.openai_base_url, "ANTHROPIC_BASE_URL": server.url, ...}
 
 `Reply` is one assistant answer (text and/or tool calls); `RawReply` is any HTTP answer at all
-(garbage bodies, 500s) for fault tests. Every request body is kept in `server.requests`.
+(garbage bodies, 500s) for fault tests. Every request body is kept in `server.requests`, and the
+key it came with (OpenAI's Bearer token or Anthropic's x-api-key) at the same index in `server.api_keys`.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class ScriptedServer:
     def __init__(self, policy: ServerPolicy):
         self.policy = policy
         self.requests: list[dict[str, Any]] = []
+        self.api_keys: list[str | None] = []
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
@@ -96,9 +98,10 @@ class ScriptedServer:
         self._httpd.server_close()
         self._thread.join()
 
-    def answer(self, path: str, body: dict[str, Any]) -> RawReply:
+    def answer(self, path: str, body: dict[str, Any], api_key: str | None = None) -> RawReply:
         with self._lock:
             self.requests.append(body)
+            self.api_keys.append(api_key)
             n = len(self.requests)
         reply = self.policy(body)
         if isinstance(reply, RawReply):
@@ -107,6 +110,12 @@ class ScriptedServer:
         if path.endswith("/chat/completions"):
             return RawReply(body=json.dumps(openai_completion(reply, model, n)).encode())
         return RawReply(body=json.dumps(anthropic_message(reply, model, n)).encode())
+
+
+def _api_key(headers: Any) -> str | None:
+    """The key a client sent: `Authorization: Bearer K` (OpenAI) or `x-api-key: K` (Anthropic)."""
+    bearer = headers.get("Authorization", "")
+    return bearer.removeprefix("Bearer ") if bearer.startswith("Bearer ") else headers.get("x-api-key")
 
 
 def _handler_for(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
@@ -118,7 +127,7 @@ def _handler_for(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
             except ValueError:
                 return self._send(RawReply(400, b'{"error": {"message": "body is not JSON"}}'))
-            self._send(server.answer(self.path, body))
+            self._send(server.answer(self.path, body, _api_key(self.headers)))
 
         def _send(self, reply: RawReply) -> None:
             self.send_response(reply.status)

@@ -10,15 +10,18 @@ Exit status: 0 the episode ran (whatever its score); 1 it broke (episode.json sa
 from __future__ import annotations
 
 import os
-import sys
-import traceback
 from pathlib import Path
 
 import click
 
-from agents.common import Episode, write_episode
+from agents.common import Episode
+from agents.common.cli import exit_for, record_episode
+from agents.common.loop import tls_context
 from agents.terminal.episode import expert_episode, model_episode
 from agents.terminal.tasks import UnknownTask, get_task
+
+NAME = "terminal"
+MAX_TURNS = 4
 
 
 def play(task_id: str, out: Path, max_turns: int, max_tokens: int, expert: bool) -> Episode:
@@ -30,6 +33,7 @@ def play(task_id: str, out: Path, max_turns: int, max_tokens: int, expert: bool)
     client = anthropic.Anthropic(
         api_key=os.environ.get("ANTHROPIC_API_KEY") or "none", max_retries=5,
         timeout=float(os.environ.get("AGENT_REQUEST_TIMEOUT_S", "300")),
+        http_client=anthropic.DefaultHttpxClient(verify=tls_context()),
     )
     model = os.environ.get("ANTHROPIC_MODEL", "policy")
     return model_episode(task, out, client.messages, model, max_turns, max_tokens)
@@ -38,7 +42,7 @@ def play(task_id: str, out: Path, max_turns: int, max_tokens: int, expert: bool)
 @click.command()
 @click.option("--task", "task_id", required=True, help="task id (see agents.terminal.tasks)")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--max-turns", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option("--max-turns", type=click.IntRange(1, 64), default=MAX_TURNS, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(1, 4096), default=128, show_default=True)
 @click.option("--expert", is_flag=True, help="play the scripted solver instead of asking a model")
 def main(task_id: str, out_dir: Path, max_turns: int, max_tokens: int, expert: bool) -> None:
@@ -46,16 +50,7 @@ def main(task_id: str, out_dir: Path, max_turns: int, max_tokens: int, expert: b
         get_task(task_id)
     except UnknownTask as exc:
         raise click.BadParameter(str(exc), param_hint="--task") from exc
-    try:
-        episode = play(task_id, out_dir, max_turns, max_tokens, expert)
-    except Exception as exc:  # the process edge: a harness bug still leaves a scorable (0) episode
-        traceback.print_exc()
-        episode = Episode(harness="terminal", task_id=task_id, expert=expert, finish="error",
-                          error=f"harness crashed: {type(exc).__name__}: {exc}")
-    write_episode(out_dir, episode)
-    if episode.error:
-        click.echo(f"episode failed: {episode.error}", err=True)
-        sys.exit(1)
+    exit_for(record_episode(NAME, task_id, expert, out_dir, lambda: play(task_id, out_dir, max_turns, max_tokens, expert)))
 
 
 if __name__ == "__main__":
