@@ -9,6 +9,7 @@ directory. Components never receive this object: the loop hands them plain value
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +32,20 @@ class TrainerConfig(BaseModel):
     device: str = Field("auto", description="torch device: auto (cuda if available) | cpu | cuda | cuda:N")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype of the policy")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="HF attention for the tree mask")
+
+    # --- what trains, and how fast (see trainer/trainable.py) ---
+    autocast_bf16: bool = Field(False, description="forward and backward under bf16 autocast (CPU or GPU); weights, "
+                                                   "gradients and AdamW state stay fp32 (needs dtype float32)")
+    train_layers: int | None = Field(None, ge=1, description="train only the top k transformer layers and the final "
+                                     "norm; the embedding and the LM head (one tied matrix in tiny and SmolLM2) and "
+                                     "all lower layers stay frozen (None: train everything; with LoRA: adapters in "
+                                     "the top k layers only)")
+    lora_rank: int | None = Field(None, ge=1, description="train LoRA adapters of this rank (peft) instead of the "
+                                  "weights; every push saves the merged full model")
+    lora_alpha: float | None = Field(None, gt=0, description="LoRA scale numerator, the update is alpha / rank · BA "
+                                     "(None: 2 × lora_rank)")
+    lora_targets: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                    description="short names of the layers' linear modules that get adapters")
     keep_freed_memory: bool = Field(True, description="CPU, glibc: freed tensors stay in the process heap instead "
                                     "of being unmapped and page-faulted back in at every step (see trainer/memory.py)")
 
@@ -109,6 +124,31 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"no Hugging Face model at {v} (config.json missing)")
         return v
 
+    @field_validator("train_layers")
+    @classmethod
+    def _layers(cls, v: int | None, info: ValidationInfo) -> int | None:
+        """At most the model's number of layers (read from its config.json, nothing loaded)."""
+        model_dir = info.data.get("model_dir")
+        if v is not None and model_dir is not None:
+            n = json.loads((model_dir / "config.json").read_text()).get("num_hidden_layers")
+            if n is not None and v > n:
+                raise ValueError(f"train_layers ({v}) exceeds the model's {n} layers")
+        return v
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _targets(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        """Names of linear modules inside the model's layers (checked on a weightless meta-device copy)."""
+        if not v:
+            raise ValueError("lora_targets is empty")
+        model_dir = info.data.get("model_dir")
+        if model_dir is not None and info.data.get("lora_rank") is not None:
+            known = _linear_names(model_dir)
+            unknown = sorted(set(v) - known)
+            if unknown:
+                raise ValueError(f"{unknown} are not linear layers of the model; expected some of {sorted(known)}")
+        return v
+
     @field_validator("advantage", "ratio", "loss_aggregation", "kl_estimator")
     @classmethod
     def _registered(cls, v: str, info: ValidationInfo) -> str:
@@ -139,7 +179,31 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"schedule {self.schedule!r} decays over max_updates: set max_updates")
         if self.overlong_max_len is not None and self.overlong_buffer >= self.overlong_max_len:
             raise ValueError("overlong_buffer must be smaller than overlong_max_len")
+        if self.autocast_bf16 and self.dtype != "float32":
+            raise ValueError("autocast_bf16 keeps fp32 master weights: it needs dtype = \"float32\"")
+        unused = sorted({"lora_alpha", "lora_targets"} & self.model_fields_set) if self.lora_rank is None else []
+        if unused:
+            raise ValueError(f"{', '.join(unused)} set but lora_rank is not (no LoRA adapters)")
         return self
+
+    @property
+    def lora_scale_alpha(self) -> float | None:
+        """lora_alpha, or its default 2 × lora_rank (None without LoRA)."""
+        if self.lora_rank is None:
+            return None
+        return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
+
+
+def _linear_names(model_dir: Path) -> set[str]:
+    """The lora_targets a model accepts, from its architecture on the meta device (no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.trainable import linear_names
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return linear_names(model)
 
 
 def _known(name: str, registry: Any) -> str:

@@ -28,10 +28,11 @@ from trainer.config import TrainerConfig
 from trainer.critic import ValueHead
 from trainer.memory import keep_freed_memory
 from trainer.metrics import MetricsLog, progress_bar
+from trainer.trainable import add_lora, freeze_below_top
 from trainer.update import Objective, Policy, update
 from trainer.weight_sync import WeightSync, save_weights
 
-__all__ = ["build_policy", "train"]
+__all__ = ["build_policy", "select_trainable", "train"]
 
 
 def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = False) -> TrainerState:
@@ -95,7 +96,8 @@ def device_of(cfg: TrainerConfig) -> torch.device:
 
 
 def build_policy(cfg: TrainerConfig) -> Policy:
-    """Model, optional value head and frozen reference, AdamW (the head in its own group) and the schedule."""
+    """Model (all of it, its top layers or LoRA adapters trainable), optional value head and frozen reference,
+    AdamW over the trainable parameters only (the head in its own group) and the schedule."""
     device = device_of(cfg)
     dtype = getattr(torch, cfg.dtype)
     if cfg.keep_freed_memory and device.type == "cpu":
@@ -105,7 +107,7 @@ def build_policy(cfg: TrainerConfig) -> Policy:
         return AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=dtype,
                                                     attn_implementation=cfg.attn_implementation).to(device)
 
-    model = load().train()
+    model = select_trainable(load().train(), cfg)
     value_head = ValueHead(AutoConfig.from_pretrained(cfg.model_dir).hidden_size).to(device) if cfg.critic else None
     reference = load().eval().requires_grad_(False) if cfg.kl_coef > 0 and cfg.mode == "rl" else None
     param_groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.lr}]
@@ -118,7 +120,18 @@ def build_policy(cfg: TrainerConfig) -> Policy:
     steps = cfg.max_updates * cfg.epochs * cfg.minibatches if cfg.max_updates else None
     name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[cfg.schedule]
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=steps)
-    return Policy(model=model, optimizer=optimizer, scheduler=scheduler, value_head=value_head, reference=reference)
+    return Policy(model=model, optimizer=optimizer, scheduler=scheduler, value_head=value_head, reference=reference,
+                  autocast_bf16=cfg.autocast_bf16)
+
+
+def select_trainable(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
+    """Everything trains by default; `lora_rank` trains adapters (in the top `train_layers` layers if set),
+    `train_layers` alone the top k layers and the final norm (trainer/trainable.py)."""
+    if cfg.lora_rank is not None:
+        return add_lora(model, cfg.lora_rank, cfg.lora_scale_alpha, cfg.lora_targets, top_layers=cfg.train_layers)
+    if cfg.train_layers is not None:
+        freeze_below_top(model, cfg.train_layers)
+    return model
 
 
 def resume(root: Path, policy: Policy, pool: Pool, consumer: str) -> TrainerState:

@@ -11,6 +11,7 @@ the trainer's own logprobs (decoupled objective), the frozen reference's (KL) an
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -48,10 +49,19 @@ class Policy:
     scheduler: Any  # torch LR scheduler
     value_head: nn.Module | None = None
     reference: nn.Module | None = None
+    autocast_bf16: bool = False  # forwards under bf16 autocast; weights, gradients and optimizer stay fp32
 
     def parameters(self) -> list[nn.Parameter]:
         heads = list(self.value_head.parameters()) if self.value_head is not None else []
         return [p for p in self.model.parameters() if p.requires_grad] + heads
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """What every forward of an update runs under, the no-grad reads included, so the proximal and the
+        training logprobs come from the same arithmetic (the ratio starts at 1). Backward runs outside it,
+        as autocast wants: autograd replays each op in the dtype its forward used."""
+        if not self.autocast_bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(next(self.model.parameters()).device.type, dtype=torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -123,11 +133,13 @@ def _precompute(policy: Policy, view: TokenView, obj: Objective) -> _Aux:
     if obj.mode == "sft":
         return aux
     if obj.old_logprobs == "recompute" or policy.value_head is not None:
-        out = forest_forward(policy.model, view.forest, policy.value_head, with_entropy=False)
+        with policy.forward_context():
+            out = forest_forward(policy.model, view.forest, policy.value_head, with_entropy=False)
         aux.prox = out.logprobs if obj.old_logprobs == "recompute" else None
         aux.values = out.values
     if obj.kl_coef > 0 and policy.reference is not None:
-        aux.ref = forest_forward(policy.reference, view.forest, with_entropy=False).logprobs
+        with policy.forward_context():
+            aux.ref = forest_forward(policy.reference, view.forest, with_entropy=False).logprobs
     return aux
 
 
@@ -183,8 +195,9 @@ def _minibatch_step(policy: Policy, views: list[TokenView], auxes: list[_Aux], a
 
 def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, advantages, returns, old_values,
                 obj: Objective, units: int, value_units: int, stats: dict[str, list[float]]) -> torch.Tensor:
-    out = forest_forward(policy.model, view.forest, policy.value_head, with_entropy=True,
-                         entropy_grad=obj.mode == "rl" and obj.entropy_coef > 0)
+    with policy.forward_context():
+        out = forest_forward(policy.model, view.forest, policy.value_head, with_entropy=True,
+                             entropy_grad=obj.mode == "rl" and obj.entropy_coef > 0)
     dev = out.logprobs.device
     mask = mask.to(dev)
     step_ids, traj_ids, episode_ids = view.step_ids.to(dev), view.traj_ids.to(dev), view.episode_ids.to(dev)

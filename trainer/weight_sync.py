@@ -25,6 +25,8 @@ import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 from torch import nn
 
+from trainer.trainable import full_state_dict, has_lora
+
 __all__ = ["GatewayWeightSync", "NoWeightSync", "RecordingWeightSync", "WeightSync", "WeightSyncError",
            "save_weights", "saved_weights"]
 
@@ -43,11 +45,14 @@ class WeightSync(Protocol):
 
 
 def save_weights(model: nn.Module, root: Path, version: int, source_dir: Path, keep: int = 2) -> Path:
-    """Save `model` to root/v{version:06d} as safetensors with the source's tokenizer files; keep the last `keep`."""
+    """Save `model` to root/v{version:06d} as safetensors with the source's tokenizer files; keep the last `keep`.
+    The folder is always the full model under plain HF names (LoRA adapters merged, frozen weights
+    included: `trainer.trainable.full_state_dict`), since the engine loads nothing else."""
     out = Path(root) / f"v{version:06d}"
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    state = full_state_dict(model) if has_lora(model) else None  # None: HF saves model.state_dict() itself
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
     for name in _TOKENIZER_FILES:
         if (Path(source_dir) / name).is_file():
             shutil.copy2(Path(source_dir) / name, tmp / name)

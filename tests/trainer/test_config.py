@@ -31,6 +31,14 @@ def test_defaults_load(tiny_model_dir: Path) -> None:
     ({"clip_hi": 0.3}, "clip_hi", "Extra inputs"),
     ({"schedule": "cosine"}, "", "set max_updates"),
     ({"push_every": 3, "max_staleness": 1}, "", "push_every (3) must be <= max_staleness + 1"),
+    ({"train_layers": 3}, "train_layers", "exceeds the model's 2 layers"),
+    ({"train_layers": 0}, "train_layers", "greater than or equal to 1"),
+    ({"lora_rank": 0}, "lora_rank", "greater than or equal to 1"),
+    ({"lora_rank": 8, "lora_targets": ["q_proj", "c_attn"]}, "lora_targets", "['c_attn'] are not linear layers"),
+    ({"lora_rank": 8, "lora_targets": []}, "lora_targets", "empty"),
+    ({"lora_alpha": 16}, "", "lora_alpha set but lora_rank is not"),
+    ({"lora_targets": ["q_proj"]}, "", "lora_targets set but lora_rank is not"),
+    ({"autocast_bf16": True, "dtype": "bfloat16"}, "", "autocast_bf16 keeps fp32 master weights"),
 ])
 def test_bad_fields_are_named(tiny_model_dir: Path, fields: dict, where: str, says: str) -> None:
     with pytest.raises(ValidationError) as info:
