@@ -71,14 +71,21 @@ class BackgroundRollouts:
         self._loop, self._halt = asyncio.get_running_loop(), asyncio.Event()
         async with GatewayClient(self.gateway_url, self.admin_token) as gateway:
             self.driver = RolloutDriver(self.config, gateway, self.work_dir)
-            batches = 0
-            while not self._stop.is_set() and (self.max_batches is None or batches < self.max_batches):
-                waiting = batches * self.batch_groups - (await asyncio.to_thread(self._taken) - self._baseline)
-                if waiting >= self.ahead * self.batch_groups:
-                    await asyncio.sleep(0.2)
-                    continue
-                seen = len(self.driver.results)
-                await self.driver.run(self.batch_groups, stop=self._halt)
-                batches += 1
-                now = time.time() - self._started
-                self.history += [{**asdict(r), "t": now} for r in self.driver.results[seen:]]
+            try:
+                await self._batches()
+            finally:
+                await self.driver.close()  # the long-lived harness workers end with the rollouts
+
+    async def _batches(self) -> None:
+        assert self.driver is not None
+        batches = 0
+        while not self._stop.is_set() and (self.max_batches is None or batches < self.max_batches):
+            waiting = batches * self.batch_groups - (await asyncio.to_thread(self._taken) - self._baseline)
+            if waiting >= self.ahead * self.batch_groups:
+                await asyncio.sleep(0.2)
+                continue
+            seen = len(self.driver.results)
+            await self.driver.run(self.batch_groups, stop=self._halt)
+            batches += 1
+            now = time.time() - self._started
+            self.history += [{**asdict(r), "t": now} for r in self.driver.results[seen:]]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import click
 
-from stepline.job import JobConfig, JobError, load_job
+from stepline.job import JobConfig, JobError, ServicesSection, load_job
 
 if TYPE_CHECKING:
     from trainer.config import TrainerConfig
@@ -157,8 +157,7 @@ def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[
         engine_url, kind = cfg.services.engine_url, cfg.services.engine_kind
         if engine_url is None:
             engine_url, kind = f"http://127.0.0.1:{free_port()}", "builtin"
-            children.append(start("engine", ["engine", "--model", str(policy), "--port", engine_url.rsplit(":", 1)[1]],
-                                  run.logs))
+            children.append(start("engine", engine_argv(cfg.services, policy, engine_url), run.logs))
             wait_healthy(children[-1], engine_url, cfg.services.startup_timeout_s)
         gateway_url = f"http://127.0.0.1:{free_port()}"
         children.append(start("gateway", ["gateway", "--engine", engine_url, "--engine-kind", kind, "--model", str(policy),
@@ -168,6 +167,13 @@ def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[
         yield gateway_url
     finally:
         stop_all(children)
+
+
+def engine_argv(svc: ServicesSection, policy: Path, url: str) -> list[str]:
+    """`stepline engine` arguments of the built-in engine the job starts."""
+    argv = ["engine", "--model", str(policy), "--port", url.rsplit(":", 1)[1], "--dtype", svc.engine_dtype,
+            "--prefix-cache-mb", str(svc.prefix_cache_mb)]
+    return argv + (["--threads", str(svc.engine_threads)] if svc.engine_threads else [])
 
 
 def evaluate_once(cfg: JobConfig, run: RunDir, gateway_url: str, token: str, tag: str) -> dict[str, Any]:
