@@ -91,13 +91,16 @@ class BatchCache:
         self._step: tuple[torch.Tensor, int] | None = None  # (write slot per row, query length) in a forward
 
     @classmethod
-    def single(cls, shape: KVShape, prefix: torch.Tensor | None, room: int) -> BatchCache:
-        """One row holding `prefix` ([layers, 2, heads, m, head_dim], or None for m = 0), with room for
-        `room` more slots: the cache a prefill starts from."""
-        m = 0 if prefix is None else prefix.shape[3]
+    def single(cls, shape: KVShape, prefix: list[torch.Tensor], room: int) -> BatchCache:
+        """One row holding the K/V segments `prefix` (each [layers, 2, heads, n, head_dim], in token
+        order, as the prefix cache returns them), with room for `room` more slots: the cache a prefill
+        starts from."""
+        m = sum(segment.shape[3] for segment in prefix)
         batch = cls(shape, rows=1, slots=m + room)
-        if prefix is not None:
-            batch.store[:, :, 0, :, :m] = prefix
+        at = 0
+        for segment in prefix:
+            batch.store[:, :, 0, :, at:at + segment.shape[3]] = segment
+            at += segment.shape[3]
         batch.lengths = [m]
         return batch
 
@@ -174,8 +177,9 @@ class BatchCache:
         return order
 
     def row_kv(self, row: int) -> torch.Tensor:
-        """A copy of row `row`'s filled slots, [layers, 2, heads, n, head_dim] (for the prefix cache)."""
-        return self.store[:, :, row, :, :self.lengths[row]].clone()
+        """Row `row`'s filled slots, [layers, 2, heads, n, head_dim]: a view into the store, valid until
+        the next forward, add or remove (the prefix cache copies what it keeps)."""
+        return self.store[:, :, row, :, :self.lengths[row]]
 
     def _reserve(self, rows: int, slots: int) -> None:
         """Make room for `rows` rows of `slots` slots: rows grow by doubling, slots by SPARE_SLOTS."""

@@ -279,7 +279,7 @@ class Scheduler:
             return
         ids = seq.kv_ids
         assert kv.lengths[row] == len(ids), f"cache row holds {kv.lengths[row]} slots for {len(ids)} ids"
-        self.prefix_cache.insert(ids, kv.row_kv(row))
+        self.prefix_cache.insert(ids, kv.row_kv(row))  # copies only what the cache lacks
 
     def _retire(self) -> None:
         done = [i for i, s in enumerate(self._running) if s.finished]

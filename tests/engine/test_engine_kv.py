@@ -23,8 +23,9 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1]
 
 
-def prefilled(model, ids: list[int], prefix: torch.Tensor | None = None) -> BatchCache:
-    m = 0 if prefix is None else prefix.shape[3]
+def prefilled(model, ids: list[int], prefix: list[torch.Tensor] | None = None) -> BatchCache:
+    prefix = prefix or []
+    m = sum(segment.shape[3] for segment in prefix)
     kv = BatchCache.single(KVShape.of(model), prefix, room=len(ids) - m + 1)
     with torch.inference_mode():
         logits = kv.forward(model, torch.tensor([ids[m:]]))
@@ -58,5 +59,6 @@ def test_a_row_resumed_from_its_cached_kv_continues_exactly(model) -> None:
     saved = kv.row_kv(0)
     assert saved.shape == (2, 2, 2, 40, 16)  # layers, (K, V), kv-heads, tokens, head_dim
     longer = ids + [5, 6, 7]
-    prefilled(model, longer, prefix=saved)  # reuses the 40 cached slots, computes 3
-    prefilled(model, longer, prefix=saved[:, :, :, :25])  # a common prefix shorter than the entry
+    prefilled(model, longer, prefix=[saved])  # reuses the 40 cached slots, computes 3
+    prefilled(model, longer, prefix=[saved[:, :, :, :25]])  # a common prefix shorter than the entry
+    prefilled(model, longer, prefix=[saved[:, :, :, :10], saved[:, :, :, 10:]])  # two tree nodes' segments

@@ -87,11 +87,12 @@ def test_multi_turn_outputs_equal_those_without_the_cache(uncached: httpx.Client
     assert [r["meta_info"]["cached_tokens"] for r in reused] == expected
     stats = cache_stats(cached)
     final_ids = len(reused[-1]["prompt"]) + NEW_TOKENS - 1
-    # Each turn's entry replaces the previous turn's (a prefix of it): one entry, the last turn's K/V.
-    assert (stats["entries"], stats["tokens"], stats["bytes"]) == (1, final_ids, final_ids * TINY_TOKEN_BYTES)
+    # Each turn extends the previous turn's path by a node: one leaf, the last turn's K/V, nothing twice.
+    assert (stats["leaves"], stats["nodes"], stats["tokens"]) == (1, TURNS, final_ids)
+    assert stats["bytes"] == final_ids * TINY_TOKEN_BYTES
     assert stats["hit_tokens"] == sum(expected) and stats["lookup_tokens"] == sum(len(r["prompt"]) for r in reused)
     assert cached.get("/get_server_info").json()["prefix_cache"]["hit_tokens"] == sum(expected)
-    assert cache_stats(uncached)["enabled"] is False and cache_stats(uncached)["entries"] == 0
+    assert cache_stats(uncached)["enabled"] is False and cache_stats(uncached)["nodes"] == 0
 
 
 def test_sessions_sharing_a_system_prompt_reuse_the_common_prefix(uncached: httpx.Client,
@@ -100,15 +101,18 @@ def test_sessions_sharing_a_system_prompt_reuse_the_common_prefix(uncached: http
     other = conversation(cached, first_prompt(2, shared=30), 1.0, turns=2)
     assert other[0]["meta_info"]["cached_tokens"] == 30
     assert_same_outputs(other, conversation(uncached, first_prompt(2, shared=30), 1.0, turns=2))
-    assert cache_stats(cached)["entries"] == 2  # neither session's K/V is a prefix of the other's
+    stats = cache_stats(cached)
+    # Two leaves under one shared 30-token node, whose K/V is held once.
+    first_ids, other_ids = 40 + NEW_TOKENS - 1, len(other[-1]["prompt"]) + NEW_TOKENS - 1
+    assert (stats["leaves"], stats["tokens"]) == (2, first_ids + other_ids - 30)
 
 
 def test_flush_cache_empties_it(uncached: httpx.Client, cached: httpx.Client) -> None:
     first = conversation(cached, first_prompt(3), 1.0, turns=1)[0]
-    assert cache_stats(cached)["entries"] == 1
+    assert cache_stats(cached)["leaves"] == 1
     assert cached.post("/flush_cache").status_code == 200
     stats = cache_stats(cached)
-    assert (stats["entries"], stats["bytes"], stats["tokens"], stats["flushes"]) == (0, 0, 0, 1)
+    assert (stats["nodes"], stats["leaves"], stats["bytes"], stats["tokens"], stats["flushes"]) == (0, 0, 0, 0, 1)
     prompt = first["prompt"] + first["output_ids"] + observation(0)
     second = generate(cached, prompt, 1.0, seed=1)
     assert second["meta_info"]["cached_tokens"] == 0
@@ -119,7 +123,7 @@ def test_a_weight_update_invalidates_the_cache(tiny_model_dir: Path, cached: htt
     new_weights = build_model(tmp_path / "seed1", kind="tiny", seed=1)
     first = conversation(cached, first_prompt(4), 1.0, turns=1)[0]
     assert cached.post("/update_weights_from_disk", json={"model_path": str(new_weights)}).status_code == 200
-    assert cache_stats(cached)["entries"] == 0
+    assert cache_stats(cached)["nodes"] == 0
     prompt = first["prompt"] + first["output_ids"] + observation(0)
     after = conversation(cached, prompt, 1.0, turns=2)
     assert after[0]["meta_info"]["cached_tokens"] == 0
@@ -143,7 +147,7 @@ def test_a_sequence_running_across_a_weight_update_is_not_cached(cached: httpx.C
     worker.join(timeout=60)
     assert len(box["result"]["output_ids"]) == 300
     # Its K/V mixes both weights: reusing it would be wrong, so nothing was cached.
-    assert cache_stats(cached)["entries"] == 0
+    assert cache_stats(cached)["nodes"] == 0
     follow_up = prompt + box["result"]["output_ids"] + observation(0)
     assert generate(cached, follow_up, 1.0, seed=0)["meta_info"]["cached_tokens"] == 0
 
@@ -156,7 +160,7 @@ def test_the_least_recently_used_entry_is_evicted_under_the_bound(tiny_model_dir
             httpx.Client(base_url=url, timeout=60) as client:
         a, b, c = (conversation(client, first_prompt(10 + s), 1.0, turns=1)[0] for s in range(3))
         stats = cache_stats(client)
-        assert (stats["entries"], stats["evictions"]) == (2, 1)
+        assert (stats["leaves"], stats["evictions"]) == (2, 1)
         assert stats["bytes"] == 2 * entry_bytes <= stats["max_bytes"]
         c_next = c["prompt"] + c["output_ids"] + observation(0)
         assert generate(client, c_next, 1.0, seed=1)["meta_info"]["cached_tokens"] == 40 + NEW_TOKENS - 1
@@ -170,52 +174,73 @@ def test_the_least_recently_used_entry_is_evicted_under_the_bound(tiny_model_dir
 # ---- PrefixCache on its own ------------------------------------------------------------------
 
 def kv_for(ids: list[int]) -> torch.Tensor:
-    """K/V whose values encode the token ids, so a returned slice shows which tokens it covers."""
+    """K/V whose values encode the token ids, so returned segments show which tokens they cover."""
     return torch.tensor(ids, dtype=torch.float32)[None, None, None, :, None].expand(1, 2, 1, len(ids), 2).clone()
+
+
+TOKEN_BYTES = kv_for([0]).numel() * 4
+
+
+def tokens_of(segments: list[torch.Tensor]) -> list[int]:
+    return [int(t) for t in torch.cat(segments, dim=3)[0, 0, 0, :, 0].tolist()] if segments else []
+
+
+def insert(cache: PrefixCache, ids: list[int]) -> None:
+    cache.insert(ids, kv_for(ids))
 
 
 def test_match_returns_the_longest_common_prefix_but_never_the_last_token() -> None:
     cache = PrefixCache(max_bytes=10**6)
-    cache.insert([1, 2, 3, 4], kv_for([1, 2, 3, 4]))
-    cache.insert([1, 2, 7], kv_for([1, 2, 7]))
-    assert cache.match([1, 2, 3, 4, 5])[0] == 4
-    assert cache.match([1, 2, 3, 4])[0] == 3  # the prompt's last token is fed again for its logits
-    assert cache.match([1, 2, 7, 9])[0] == 3
-    assert cache.match([1, 2, 8])[0] == 2
-    assert cache.match([9, 1, 2]) == (0, None)
-    n, kv = cache.match([1, 2, 3, 9])
-    assert n == 3 and kv[0, 0, 0, :, 0].tolist() == [1.0, 2.0, 3.0]
+    insert(cache, [1, 2, 3, 4])
+    insert(cache, [1, 2, 7])
+    assert (cache.nodes, cache.leaves, cache.tokens, cache.bytes) == (3, 2, 5, 5 * TOKEN_BYTES)  # [1 2] shared
+    for ids, expected in [([1, 2, 3, 4, 5], 4), ([1, 2, 3, 4], 3), ([1, 2, 7, 9], 3), ([1, 2, 8], 2),
+                          ([1, 2, 3, 9], 3), ([9, 1, 2], 0)]:
+        n, segments = cache.match(ids)
+        assert n == expected and tokens_of(segments) == ids[:expected], ids
     assert cache.hit_tokens == 4 + 3 + 3 + 2 + 3
 
 
-def test_an_entry_extending_another_replaces_it() -> None:
+def test_an_entry_extending_another_adds_only_the_new_tokens() -> None:
     cache = PrefixCache(max_bytes=10**6)
-    cache.insert([1, 2], kv_for([1, 2]))
-    cache.insert([1, 2, 3], kv_for([1, 2, 3]))
-    assert (len(cache), cache.tokens) == (1, 3)
-    cache.insert([1, 2], kv_for([1, 2]))  # covered by the longer entry: nothing added
-    assert (len(cache), cache.tokens, cache.insertions) == (1, 3, 2)
+    insert(cache, [1, 2])
+    insert(cache, [1, 2, 3])
+    assert (cache.nodes, cache.leaves, cache.tokens) == (2, 1, 3)
+    insert(cache, [1, 2])  # already there: nothing added
+    insert(cache, [1])  # a prefix of an edge: the edge is split, no token added
+    assert (cache.leaves, cache.tokens, cache.insertions) == (1, 3, 2)
+    assert tokens_of(cache.match([1, 2, 3, 0])[1]) == [1, 2, 3]
 
 
 def test_lru_eviction_keeps_the_recently_matched_entry() -> None:
-    entry_bytes = kv_for([0] * 10).numel() * 4
-    cache = PrefixCache(max_bytes=2 * entry_bytes)
+    cache = PrefixCache(max_bytes=20 * TOKEN_BYTES)
     for start in (100, 200):
-        cache.insert(list(range(start, start + 10)), kv_for(list(range(start, start + 10))))
+        insert(cache, list(range(start, start + 10)))
     assert cache.match(list(range(100, 111)))[0] == 10  # 100.. is now the most recently used
-    cache.insert(list(range(300, 310)), kv_for(list(range(300, 310))))
-    assert (len(cache), cache.evictions, cache.bytes) == (2, 1, 2 * entry_bytes)
+    insert(cache, list(range(300, 310)))
+    assert (cache.leaves, cache.evictions, cache.bytes) == (2, 1, 20 * TOKEN_BYTES)
     assert cache.match(list(range(200, 211)))[0] == 0
     assert cache.match(list(range(100, 111)))[0] == 10
-    too_big = list(range(1000, 1030))
-    cache.insert(too_big, kv_for(too_big))  # larger than the whole bound: not kept, nothing evicted
-    assert (len(cache), cache.evictions) == (2, 1)
+    insert(cache, list(range(1000, 1030)))  # larger than the whole bound: not kept, nothing evicted
+    assert (cache.leaves, cache.evictions, cache.tokens) == (2, 1, 20)
+
+
+def test_eviction_takes_leaves_first_and_keeps_a_shared_prefix() -> None:
+    cache = PrefixCache(max_bytes=5 * TOKEN_BYTES)
+    insert(cache, [1, 2, 3, 4])
+    insert(cache, [1, 2, 5])  # tree: [1 2] -> [3 4], [5]: 5 tokens, at the bound
+    insert(cache, [9])  # over it: the least recent leaf, [3 4], goes; [1 2] stays for [1 2 5]
+    assert (cache.tokens, cache.leaves, cache.evictions) == (4, 2, 1)
+    assert cache.match([1, 2, 3, 4, 0])[0] == 2
+    assert cache.match([1, 2, 5, 0])[0] == 3
+    insert(cache, [8, 8])  # [9] is now the least recent leaf
+    assert cache.match([9, 0])[0] == 0 and cache.match([1, 2, 5, 0])[0] == 3
 
 
 def test_a_disabled_cache_keeps_nothing() -> None:
     cache = PrefixCache(max_bytes=0)
-    cache.insert([1, 2, 3], kv_for([1, 2, 3]))
-    assert (len(cache), cache.match([1, 2, 3, 4])) == (0, (0, None))
+    insert(cache, [1, 2, 3])
+    assert (cache.nodes, cache.match([1, 2, 3, 4])) == (0, (0, []))
 
 
 def test_common_prefix() -> None:
