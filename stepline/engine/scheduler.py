@@ -190,7 +190,6 @@ class Scheduler:
                     continue
             kv = self._prefill(seq, first)
             if seq.finished:
-                self._keep(seq, 0, kv)
                 continue
             if self._kv is None:
                 self._kv = kv
@@ -212,6 +211,9 @@ class Scheduler:
         seq.kv_epoch = self._epoch
         kv = BatchCache.single(self.kv_shape, prefix, room=len(ids) - cached + 1)
         logits = kv.forward(self.model, torch.tensor([ids[cached:]]))
+        # The prompt's K/V is final now: cached at once, the next sample of the same prompt (n > 1) or the
+        # next episode with the same system prompt reuses it before this sequence finishes.
+        self._keep(seq, 0, kv)
         if first:
             self._sample([seq], logits)
         return kv

@@ -87,8 +87,8 @@ def test_multi_turn_outputs_equal_those_without_the_cache(uncached: httpx.Client
     assert [r["meta_info"]["cached_tokens"] for r in reused] == expected
     stats = cache_stats(cached)
     final_ids = len(reused[-1]["prompt"]) + NEW_TOKENS - 1
-    # Each turn extends the previous turn's path by a node: one leaf, the last turn's K/V, nothing twice.
-    assert (stats["leaves"], stats["nodes"], stats["tokens"]) == (1, TURNS, final_ids)
+    # Each prompt and each finished turn extends the same path: one leaf, the last turn's K/V, nothing twice.
+    assert (stats["leaves"], stats["nodes"], stats["tokens"]) == (1, 2 * TURNS, final_ids)
     assert stats["bytes"] == final_ids * TINY_TOKEN_BYTES
     assert stats["hit_tokens"] == sum(expected) and stats["lookup_tokens"] == sum(len(r["prompt"]) for r in reused)
     assert cached.get("/get_server_info").json()["prefix_cache"]["hit_tokens"] == sum(expected)
@@ -105,6 +105,14 @@ def test_sessions_sharing_a_system_prompt_reuse_the_common_prefix(uncached: http
     # Two leaves under one shared 30-token node, whose K/V is held once.
     first_ids, other_ids = 40 + NEW_TOKENS - 1, len(other[-1]["prompt"]) + NEW_TOKENS - 1
     assert (stats["leaves"], stats["tokens"]) == (2, first_ids + other_ids - 30)
+
+
+def test_samples_of_one_prompt_reuse_the_first_samples_prompt(uncached: httpx.Client, cached: httpx.Client) -> None:
+    body = {"input_ids": first_prompt(6), "return_logprob": True,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "sampling_seed": 3, "n": 3}}
+    reused = cached.post("/generate", json=body).json()
+    assert [r["meta_info"]["cached_tokens"] for r in reused] == [0, 39, 39]  # all of the prompt but its last token
+    assert_same_outputs(reused, uncached.post("/generate", json=body).json())
 
 
 def test_flush_cache_empties_it(uncached: httpx.Client, cached: httpx.Client) -> None:
@@ -160,7 +168,8 @@ def test_the_least_recently_used_entry_is_evicted_under_the_bound(tiny_model_dir
             httpx.Client(base_url=url, timeout=60) as client:
         a, b, c = (conversation(client, first_prompt(10 + s), 1.0, turns=1)[0] for s in range(3))
         stats = cache_stats(client)
-        assert (stats["leaves"], stats["evictions"]) == (2, 1)
+        # c's prompt did not fit: a's two nodes (its prompt, then the rest of its first turn) went.
+        assert (stats["leaves"], stats["evictions"]) == (2, 2)
         assert stats["bytes"] == 2 * entry_bytes <= stats["max_bytes"]
         c_next = c["prompt"] + c["output_ids"] + observation(0)
         assert generate(client, c_next, 1.0, seed=1)["meta_info"]["cached_tokens"] == 40 + NEW_TOKENS - 1
