@@ -174,6 +174,7 @@ class BatchCache:
                 self.lengths[row], order[row] = length, order[last]
             self.lengths.pop()
             order.pop()
+        self._shrink()
         return order
 
     def row_kv(self, row: int) -> torch.Tensor:
@@ -186,9 +187,21 @@ class BatchCache:
         _, _, row_cap, _, slot_cap, _ = self.store.shape
         if rows <= row_cap and slots <= slot_cap:
             return
-        new_rows = max(rows, 2 * row_cap) if rows > row_cap else row_cap
-        new_slots = slots + SPARE_SLOTS if slots > slot_cap else slot_cap
-        store = self.store.new_zeros((*self.store.shape[:2], new_rows, self.shape.heads, new_slots,
+        self._resize(max(rows, 2 * row_cap) if rows > row_cap else row_cap,
+                     slots + SPARE_SLOTS if slots > slot_cap else slot_cap)
+
+    def _shrink(self) -> None:
+        """Give memory back once at most half the rows or slots are used (the longest sequence or many
+        rows left): the store is a rows x slots rectangle, sized by the largest batch and the longest
+        row it has held. Halving hysteresis keeps a batch near a boundary from reallocating each step."""
+        _, _, row_cap, _, slot_cap, _ = self.store.shape
+        rows, slots = max(self.rows, 1), self.width + SPARE_SLOTS
+        if row_cap > 2 * rows or slot_cap > 2 * slots:
+            self._resize(min(rows, row_cap), min(slots, slot_cap))
+
+    def _resize(self, row_cap: int, slot_cap: int) -> None:
+        """A new store of that capacity holding the filled slots of every row (one copy of them)."""
+        store = self.store.new_zeros((*self.store.shape[:2], row_cap, self.shape.heads, slot_cap,
                                       self.shape.head_dim))
         width = self.width
         store[:, :, :self.rows, :, :width] = self.store[:, :, :self.rows, :, :width]

@@ -53,6 +53,20 @@ def test_rows_stay_independent_through_add_remove_and_growth(model) -> None:
     assert batch.lengths == [len(seqs[s]) for s in order]
 
 
+def test_the_store_shrinks_when_the_long_rows_leave(model) -> None:
+    batch = prefilled(model, list(range(10, 15)))
+    for n in (300, 6, 7, 8):
+        batch.add(prefilled(model, list(range(20, 20 + n))))
+    rows, slots = batch.store.shape[2], batch.store.shape[4]
+    assert (rows, slots) == (8, 300 + SPARE_SLOTS)  # rows doubled 1, 2, 4, 8; slots fit the longest
+    order = batch.remove([1, 2, 3])  # the 300-token row and two more leave: 2 rows of at most 8 slots
+    assert batch.lengths == [5, 8] and order == [0, 4]
+    assert (batch.store.shape[2], batch.store.shape[4]) == (2, 8 + SPARE_SLOTS)
+    with torch.inference_mode():
+        logits = batch.forward(model, torch.tensor([[3], [4]]))
+    assert torch.allclose(logits[1], reference_logits(model, list(range(20, 28)) + [4]), atol=1e-5)
+
+
 def test_a_row_resumed_from_its_cached_kv_continues_exactly(model) -> None:
     ids = list(range(100, 140))
     kv = prefilled(model, ids)
