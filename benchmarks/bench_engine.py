@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_engine.py [--model DIR] [--tokens 64] [--seconds 8] [--threads 1]
         [--dtype bfloat16] [--baseline-src DIR]
     .venv/bin/python benchmarks/bench_engine.py --episodes --model /tmp/smol [--concurrent 8] [--turns 4]
-        [--baseline-src DIR]
+        [--baseline-src DIR] [--repeats 1]
 
 Every engine runs as its own process (`stepline engine`, `--threads` torch threads); without
 `--model` the tiny model is built in a temporary folder.
@@ -274,12 +274,15 @@ def episodes_mode(model: Path, name: str, args: argparse.Namespace) -> None:
     ]
     if args.baseline_src is not None:
         configs.insert(0, (f"engine of {args.baseline_src}", [], args.baseline_src))
-    results = {}
-    for label, flags, src in configs:
-        with Engine(model, args.threads, flags, src) as url:
-            results[label] = asyncio.run(run_episodes(url, prompts, observations, args.out_tokens))
-        seconds = results[label][0]
-        print(f"  {label}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    # Rounds run every engine once, in turn, so that load from other jobs on a shared machine spreads
+    # over all of them; the table shows the median round (and the range).
+    runs: dict[str, list[tuple[float, list[list[Turn]]]]] = {label: [] for label, _, _ in configs}
+    for round_ in range(args.repeats):
+        for label, flags, src in configs:
+            with Engine(model, args.threads, flags, src) as url:
+                runs[label].append(asyncio.run(run_episodes(url, prompts, observations, args.out_tokens)))
+            print(f"  round {round_ + 1}, {label}: {runs[label][-1][0]:.1f} s", file=sys.stderr, flush=True)
+    results = {label: sorted(r, key=lambda run: run[0])[len(r) // 2] for label, r in runs.items()}
 
     import torch
     torch.set_num_threads(max(args.threads, os.cpu_count() or 1))
@@ -288,8 +291,8 @@ def episodes_mode(model: Path, name: str, args: argparse.Namespace) -> None:
     first_lengths = sorted({len(p) for p in prompts})
     print(f"{name}: {args.concurrent} concurrent episodes x {args.turns} turns; first prompt "
           f"{first_lengths[0]}-{first_lengths[-1]} tokens, +{args.out_tokens} output +{args.obs_tokens} observation "
-          f"tokens per turn; engine torch threads {args.threads}")
-    print(f"{'engine':<34} {'episodes/s':>10} {'vs first':>8} {'wall s':>7} {'gen tok/s':>9} "
+          f"tokens per turn; engine torch threads {args.threads}; median of {args.repeats} round(s)")
+    print(f"{'engine':<34} {'episodes/s':>10} {'vs first':>8} {'wall s':>7} {'range s':>11} {'gen tok/s':>9} "
           f"{'prefilled':>9} {'cached':>7} {'max|dlp|':>9} {'mean|dlp|':>9}")
     base = None
     for label, (seconds, eps) in results.items():
@@ -300,8 +303,9 @@ def episodes_mode(model: Path, name: str, args: argparse.Namespace) -> None:
         cached = sum(t.cached_tokens for t in turns)
         prefilled = sum(len(t.prompt) for t in turns) - cached
         worst, mean = errors[label]
-        print(f"{label:<34} {rate:>10.4f} {rate / base:>7.2f}x {seconds:>7.1f} {generated / seconds:>9.1f} "
-              f"{prefilled:>9} {cached:>7} {worst:>9.2e} {mean:>9.2e}")
+        spread = f"{min(r[0] for r in runs[label]):.1f}-{max(r[0] for r in runs[label]):.1f}"
+        print(f"{label:<34} {rate:>10.4f} {rate / base:>7.2f}x {seconds:>7.1f} {spread:>11} "
+              f"{generated / seconds:>9.1f} {prefilled:>9} {cached:>7} {worst:>9.2e} {mean:>9.2e}")
     plain, cached32 = results["no prefix cache, float32"][1], results["prefix cache, float32"][1]
     same = sum(a.output_ids == b.output_ids for x, y in zip(plain, cached32) for a, b in zip(x, y))
     print(f"float32 turns with the same sampled tokens with and without the prefix cache: "
@@ -324,6 +328,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=350, help="episodes: first prompt length")
     parser.add_argument("--obs-tokens", type=int, default=60, help="episodes: observation tokens per turn")
     parser.add_argument("--out-tokens", type=int, default=30, help="episodes: new tokens per turn")
+    parser.add_argument("--repeats", type=int, default=1, help="episodes: rounds over all engines (median shown)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="throughput: the engine's --dtype (default its own, float32)")
     parser.add_argument("--baseline-src", type=Path, default=None,
