@@ -88,7 +88,7 @@ class BatchCache:
         self.store = torch.zeros((shape.layers, 2, rows, shape.heads, slots, shape.head_dim), dtype=shape.dtype)
         self.lengths: list[int] = []
         self.cache = Cache(layers=[_RowLayer(self, i) for i in range(shape.layers)])
-        self._step: tuple[torch.Tensor, int] | None = None  # (write slot per row, query length) in a forward
+        self._step: tuple[torch.Tensor, torch.Tensor, int] | None = None  # inside forward: (rows, starts, n)
 
     @classmethod
     def single(cls, shape: KVShape, prefix: list[torch.Tensor], room: int) -> BatchCache:
@@ -115,6 +115,7 @@ class BatchCache:
 
     @property
     def nbytes(self) -> int:
+        """Memory of the store, filled or not (/get_server_info's kv_store_bytes)."""
         return self.store.numel() * self.store.element_size()
 
     def forward(self, model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -129,7 +130,7 @@ class BatchCache:
         # its unmasked kernel); unequal rows get a boolean mask stopping each at its own length.
         mask = None if len(set(self.lengths)) == 1 else (
             torch.arange(self.width + n)[None, None, :] <= positions[:, :, None])[:, None]
-        self._step = (starts, n)
+        self._step = (torch.arange(self.rows), starts, n)
         try:
             out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache,
                         use_cache=True, logits_to_keep=1)
@@ -142,10 +143,9 @@ class BatchCache:
         """Called by the model inside `forward`: store this step's K/V ([rows, heads, n, head_dim]) at each
         row's slots and return the K/V views attention reads."""
         assert self._step is not None, "the batch cache is written only inside BatchCache.forward"
-        starts, n = self._step
+        rows, starts, n = self._step
         k_store, v_store = self.store[layer, 0], self.store[layer, 1]
         if n == 1:
-            rows = torch.arange(self.rows)
             k_store[rows, :, starts] = keys[:, :, 0]
             v_store[rows, :, starts] = values[:, :, 0]
         else:

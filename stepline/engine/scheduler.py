@@ -127,6 +127,12 @@ class Scheduler:
     def load(self) -> tuple[int, int]:
         return len(self._running), len(self._waiting)
 
+    @property
+    def kv_store_bytes(self) -> int:
+        """Memory of the running batch's K/V store (0 when idle); safe to read from any thread."""
+        kv = self._kv
+        return 0 if kv is None else kv.nbytes
+
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)

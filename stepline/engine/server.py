@@ -216,7 +216,8 @@ async def server_info(st: _State = Depends(_engine)) -> Response:
     return _json({"model_path": st.model_path, "dtype": st.dtype,
                   "max_running_requests": st.scheduler.max_running, "context_length": st.context_length,
                   "weight_version": st.scheduler.weight_version, "running_requests": running,
-                  "waiting_requests": waiting, "prefix_cache": st.scheduler.prefix_cache.stats()})
+                  "waiting_requests": waiting, "kv_store_bytes": st.scheduler.kv_store_bytes,
+                  "prefix_cache": st.scheduler.prefix_cache.stats()})
 
 @router.get("/get_weight_version")
 async def get_weight_version(st: _State = Depends(_engine)) -> Response:

@@ -91,7 +91,9 @@ def test_multi_turn_outputs_equal_those_without_the_cache(uncached: httpx.Client
     assert (stats["leaves"], stats["nodes"], stats["tokens"]) == (1, 2 * TURNS, final_ids)
     assert stats["bytes"] == final_ids * TINY_TOKEN_BYTES
     assert stats["hit_tokens"] == sum(expected) and stats["lookup_tokens"] == sum(len(r["prompt"]) for r in reused)
-    assert cached.get("/get_server_info").json()["prefix_cache"]["hit_tokens"] == sum(expected)
+    info = cached.get("/get_server_info").json()
+    assert info["prefix_cache"]["hit_tokens"] == sum(expected)
+    assert info["kv_store_bytes"] == 0 and info["dtype"] == "float32"  # idle: no batch, no store
     assert cache_stats(uncached)["enabled"] is False and cache_stats(uncached)["nodes"] == 0
 
 
