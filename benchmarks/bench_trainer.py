@@ -1,9 +1,23 @@
-"""Trainer benchmark: tree forward vs the naive per-step forward on multi-turn sessions.
+"""Trainer benchmark: tree forward vs the naive per-step forward on multi-turn sessions; and, with --model,
+the training speed of full fine-tuning against the faster options on a real model.
 
     .venv/bin/python benchmarks/bench_trainer.py                   # 8 sessions × 10 turns, CPU or the GPU if any
     .venv/bin/python benchmarks/bench_trainer.py --turns 20 --hidden 512 --layers 8
+    .venv/bin/python benchmarks/bench_trainer.py --model /tmp/smol # full fp32 vs bf16 / top-6 / LoRA, 20 SFT steps
 
-Each session is a chain of turns (prompt, then per turn: sampled action + harness observation), stored
+--model DIR: a short SFT (--steps optimizer steps on the same rows: --sessions sessions of --turns turns of
+this repository's README text, tokenized by the model's tokenizer) through the trainer's own
+`build_policy` and `update`, once per variant (TrainerConfig fields): full fp32, bf16 autocast, the top
+--top-layers layers, both, LoRA rank --lora-rank, LoRA + bf16. The variants live in one process and
+take their steps in turn (step 1 of each, then step 2 of each, the order rotating), so a change in the
+machine's load hits all of them alike. Printed per variant: trainable parameters, training tokens/s
+(tokens through the model per second of update, median over steps 2..N; step 1 allocates the optimizer
+state), its ratio to full fp32, and the SFT loss at the first, the middle and the last step (each
+variant has its own learning rate, --lr / --top-lr / --lora-lr, chosen so that the losses fall alike);
+then what one weight push costs: save_weights (LoRA merged) and the engine's reload of the folder
+(from_pretrained, as stepline/engine/server.py does on update_weights_from_disk).
+
+Tree mode: each session is a chain of turns (prompt, then per turn: sampled action + harness observation), stored
 through the pool's own radix tree and steps view. A *training step* is forward + backward of the action
 tokens' logprobs for all sessions:
 
@@ -22,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -29,9 +44,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import trainer  # noqa: F401  (before torch: it sets OpenMP's wait policy, trainer/__init__.py)
 import numpy as np
 import torch
-
 
 from datapool.records import Reward, SessionInfo
 from datapool.steps import build_episode
@@ -39,15 +54,28 @@ from datapool.tree import RadixTree
 from trainer.tree_forward import forest_forward, pack_forest
 
 
-def make_sessions(n: int, turns: int, prompt: int, action: int, obs: int, vocab: int, seed: int):
+def make_sessions(n: int, turns: int, prompt: int, action: int, obs: int, vocab: int, seed: int,
+                  text: np.ndarray | None = None):
+    """n chains of turns; random token ids, or consecutive slices of `text` (token ids) when given."""
     g = np.random.default_rng(seed)
+    cursor = 0
+
+    def take(k: int) -> np.ndarray:
+        nonlocal cursor
+        if text is None:
+            return g.integers(10, vocab, k).astype(np.int32)
+        if cursor + k > len(text):
+            raise ValueError(f"the text has {len(text)} tokens: too few for {n} sessions")
+        cursor += k
+        return text[cursor - k : cursor].astype(np.int32)
+
     episodes = []
     for s in range(n):
-        tree, seq = RadixTree(f"s{s}"), g.integers(10, vocab, prompt).astype(np.int32)
+        tree, seq = RadixTree(f"s{s}"), take(prompt)
         for t in range(turns):
-            out = g.integers(10, vocab, action).astype(np.int32)
+            out = take(action)
             tree.insert(t, seq, out, np.full(action, -7.0, np.float32), 0)
-            seq = np.concatenate([seq, out, g.integers(10, vocab, obs).astype(np.int32)])
+            seq = np.concatenate([seq, out, take(obs)])
         info = SessionInfo(f"s{s}", task_id="t", harness="h", status="completed")
         episodes.append(build_episode(info, [Reward(f"s{s}", 1.0)], tree.snapshot()))
     return episodes
@@ -126,13 +154,110 @@ def measure_memory(variant: str, args, model_dir: Path) -> dict:
     return {"peak_bytes": int(peak)}
 
 
+def sft_variants(args) -> dict[str, dict]:
+    """Variant name -> the TrainerConfig fields that make it (the learning rate included)."""
+    k, r = args.top_layers, args.lora_rank
+    full, top, lora = {"lr": args.lr}, {"lr": args.top_lr, "train_layers": k}, {"lr": args.lora_lr, "lora_rank": r}
+    return {
+        "full fp32": full,
+        "bf16 autocast": {**full, "autocast_bf16": True},
+        f"top-{k} layers": top,
+        f"bf16 + top-{k}": {**top, "autocast_bf16": True},
+        f"LoRA r={r}": lora,
+        f"LoRA r={r} bf16": {**lora, "autocast_bf16": True},
+    }
+
+
+def readme_tokens(model_dir: Path) -> np.ndarray:
+    """This repository's README as token ids of the model's tokenizer: natural text the model can learn."""
+    from transformers import AutoTokenizer
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return np.asarray(AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"], dtype=np.int64)
+
+
+def measure_sft(args) -> dict:
+    """Every variant's short SFT on the same rows, the variants taking their optimizer steps in turn."""
+    from datapool.records import Group
+    from trainer.batch import build_batch
+    from trainer.config import TrainerConfig
+    from trainer.loop import build_policy, objective
+    from trainer.update import update
+
+    episodes = make_sessions(args.sessions, args.turns, args.prompt, args.action, args.obs, 0, args.seed,
+                             text=readme_tokens(args.model))
+    batch = build_batch([Group("g", "t::h", episodes, 0)])
+    policies, objectives, out = {}, {}, {}
+    for name, fields in sft_variants(args).items():
+        cfg = TrainerConfig(model_dir=args.model, output_dir=Path(tempfile.gettempdir()) / "bench_trainer", mode="sft",
+                            device=args.device, progress=False, tensorboard=False, groups_per_update=1,
+                            micro_batch_episodes=args.sessions, **fields)
+        torch.manual_seed(args.seed)
+        policies[name], objectives[name] = build_policy(cfg), objective(cfg, 0, True)
+        trainable = sum(p.numel() for p in policies[name].parameters())
+        out[name] = {"fields": fields, "trainable": trainable, "seconds": [], "loss": []}
+    names = list(policies)
+    for step in range(args.steps):
+        for name in names[step % len(names):] + names[: step % len(names)]:
+            m = update(policies[name], batch, objectives[name], version=0)
+            out[name]["seconds"].append(m["update_seconds"])
+            out[name]["loss"].append(m["policy_loss"])
+            out[name]["forward_tokens"] = m["forward_tokens_per_s"] * m["update_seconds"]
+        print(f"step {step + 1}/{args.steps}: " + "  ".join(f"{n} {out[n]['seconds'][-1]:.1f}s" for n in names),
+              file=sys.stderr, flush=True)
+    out["push"] = measure_push(policies[names[0]].model, policies[names[-1]].model, args.model)
+    return out
+
+
+def measure_push(full: torch.nn.Module, lora: torch.nn.Module, model_dir: Path) -> dict:
+    """Seconds to save the full model and a LoRA model (merged), and to reload each as the engine does."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.weight_sync import save_weights
+
+    times = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model in (("full", full), ("lora merged", lora)):
+            start = time.perf_counter()
+            path = save_weights(model, Path(tmp) / name.replace(" ", "-"), 1, model_dir)
+            saved = time.perf_counter() - start
+            start = time.perf_counter()
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            times[name] = {"save": saved, "load": time.perf_counter() - start,
+                           "bytes": sum(f.stat().st_size for f in path.glob("*.safetensors"))}
+    return times
+
+
+def report_sft(args, r: dict) -> None:
+    push = r.pop("push")
+    first = next(iter(r.values()))
+    print(f"SFT on {args.model}: {args.sessions} sessions × {args.turns} turns of README text (prompt {args.prompt}, "
+          f"action {args.action}, observation {args.obs} tokens; {first['forward_tokens']:,.0f} tokens through the "
+          f"model per step), {args.steps} AdamW steps on the same rows; {args.device}, {args.threads} threads, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    print("method: all variants in one process, taking their steps in turn (order rotating); tokens/s = median "
+          "over steps 2..N")
+    base = None
+    mid = args.steps // 2
+    print(f"{'variant':18s} {'lr':>8s} {'trainable':>12s} {'tokens/s':>9s} {'vs full':>8s} {'loss step 1':>12s} "
+          f"{f'step {mid + 1}':>8s} {f'step {args.steps}':>8s}")
+    for name, v in r.items():
+        rate = v["forward_tokens"] / float(np.median(v["seconds"][1:] or v["seconds"]))
+        base = base or rate
+        print(f"{name:18s} {v['fields']['lr']:8.2g} {v['trainable']:12,d} {rate:9.1f} {rate / base:7.2f}× "
+              f"{v['loss'][0]:12.3f} {v['loss'][mid]:8.3f} {v['loss'][-1]:8.3f}")
+    for name, t in push.items():
+        print(f"push, {name}: save_weights {t['save']:.2f} s, reload as the engine does {t['load']:.2f} s "
+              f"({t['bytes'] / 2**20:,.0f} MiB)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--prompt", type=int, default=64, help="first prompt tokens")
-    p.add_argument("--action", type=int, default=24, help="sampled tokens per turn")
-    p.add_argument("--obs", type=int, default=24, help="observation tokens the harness adds per turn")
+    p.add_argument("--sessions", type=int, help="sessions (default 8; --model: 2)")
+    p.add_argument("--turns", type=int, help="turns per session (default 10; --model: 4)")
+    p.add_argument("--prompt", type=int, help="first prompt tokens (default 64; --model: 300)")
+    p.add_argument("--action", type=int, help="sampled tokens per turn (default 24; --model: 40)")
+    p.add_argument("--obs", type=int, help="observation tokens the harness adds per turn (default 24; --model: 35)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--rows", type=int, default=8, help="naive: step sequences per forward")
@@ -140,11 +265,26 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", type=Path, help="a HF model directory: compare the SFT speed of the trainer's options")
+    p.add_argument("--steps", type=int, default=20, help="--model: optimizer steps per variant")
+    p.add_argument("--top-layers", type=int, default=6, help="--model: train_layers of the top-k variants")
+    p.add_argument("--lora-rank", type=int, default=16, help="--model: lora_rank of the LoRA variants")
+    p.add_argument("--lr", type=float, default=1e-5, help="--model: learning rate of full fine-tuning")
+    p.add_argument("--top-lr", type=float, default=7e-5, help="--model: learning rate of the top-k variants")
+    p.add_argument("--lora-lr", type=float, default=2e-4, help="--model: learning rate of the LoRA variants")
     p.add_argument("--only", choices=["time", "tree", "naive"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    # --model: sessions of ~565 tokens in 4 turns, like the main job's; the tree benchmark: many short turns
+    shape = (2, 4, 300, 40, 35) if args.model is not None else (8, 10, 64, 24, 24)
+    for name, default in zip(("sessions", "turns", "prompt", "action", "obs"), shape):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    if args.model is not None:
+        report_sft(args, measure_sft(args))
+        return
     if args.only:
         result = measure_time(args, args.model_dir) if args.only == "time" else \
             measure_memory(args.only, args, args.model_dir)

@@ -6,7 +6,9 @@
 accumulated over micro-batches (one tree forward each) with every aggregation divided by the
 minibatch's unit count, so 8 micro-batches give the same step as 2 × 4 or 1 × 8. Sessions are never
 split across micro-batches. Before the epochs, one no-grad pass reads what the loss compares against:
-the trainer's own logprobs (decoupled objective), the frozen reference's (KL) and the critic's values.
+the trainer's own logprobs (decoupled objective), the frozen reference's (KL) and the critic's values;
+with none of them (old_logprobs = "engine", no KL, no critic) there is no such pass. Every forward runs
+under `Policy.forward_context()`: bf16 autocast when the config asks for it.
 """
 
 from __future__ import annotations
