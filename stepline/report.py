@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_summary", "plot_run", "reward_quarters", "summarise", "wilson"]
+__all__ = ["batch_rewards", "format_summary", "plot_run", "reward_quarters", "summarise", "wilson"]
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -55,13 +55,22 @@ def _metrics(root: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Mean training reward of the first and of the last quarter of RL updates (at least one update each)."""
-    rewards = [m["reward_mean"] for m in metrics if "reward_mean" in m]
+def batch_rewards(rollouts: list[dict[str, Any]], harness: str | None = None) -> list[float]:
+    """Mean reward of every training episode (trained or skipped for no variance) per rollout batch, in
+    order: the policy's own training reward, not only that of the groups the trainer kept."""
+    batches: dict[int, list[float]] = {}
+    for r in rollouts:
+        if harness is None or r["harness"] == harness:
+            batches.setdefault(r["batch"] if "batch" in r else r["t"], []).append(r["reward"] or 0.0)
+    return [sum(v) / len(v) for _, v in sorted(batches.items())]
+
+
+def reward_quarters(rewards: list[float]) -> dict[str, float] | None:
+    """Mean of the first and of the last quarter of a series (at least one point each)."""
     if len(rewards) < 2:
         return None
     k = max(1, len(rewards) // 4)
-    return {"first": sum(rewards[:k]) / k, "last": sum(rewards[-k:]) / k, "updates_per_quarter": k}
+    return {"first": sum(rewards[:k]) / k, "last": sum(rewards[-k:]) / k, "points_per_quarter": k}
 
 
 def summarise(root: Path, rl_updates: int) -> dict[str, Any]:
@@ -81,7 +90,7 @@ def summarise(root: Path, rl_updates: int) -> dict[str, Any]:
         "mean_sft": mean_sft["rate"] if mean_sft else nan, "mean_rl": mean_rl["rate"] if mean_rl else nan,
         "mean_ci95_sft": mean_sft["ci95"] if mean_sft else None, "mean_ci95_rl": mean_rl["ci95"] if mean_rl else None,
         "improvement": (mean_rl["rate"] - mean_sft["rate"]) if mean_sft and mean_rl else nan,
-        "train_reward_quarters": reward_quarters(metrics),
+        "train_reward_quarters": reward_quarters(batch_rewards(rollouts)),
         "rl_updates": len(metrics), "rl_episodes": len(rollouts),
         "rl_episodes_failed": sum(r["status"] == "failed" for r in rollouts),
         "weight_version": evals[f"after-{rl_updates}"].get("weight_version") if after else None,
@@ -89,20 +98,21 @@ def summarise(root: Path, rl_updates: int) -> dict[str, Any]:
 
 
 def plot_run(root: Path, out: Path) -> Path:
-    """Left: mean training reward per harness at each RL update (the trainer's batch);
+    """Left: mean training reward per harness of each rollout batch (every episode, kept or skipped);
     right: test success per harness at each evaluation, with 95% intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = _metrics(root)
+    rollouts_file = root / "rl" / "rollouts.json"
+    rollouts = json.loads(rollouts_file.read_text()) if rollouts_file.is_file() else []
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    harnesses = sorted({k.split("/", 1)[1] for m in metrics for k in m if k.startswith("reward/")})
-    for harness in harnesses:
-        points = [(m["update"], m[f"reward/{harness}"]) for m in metrics if f"reward/{harness}" in m]
-        left.plot([u for u, _ in points], [r for _, r in points], marker=".", label=harness)
-    left.set(title="training reward per update", xlabel="RL update", ylabel="mean reward", ylim=(-0.05, 1.05))
+    for harness in sorted({r["harness"] for r in rollouts}):
+        series = batch_rewards(rollouts, harness)
+        left.plot(range(1, len(series) + 1), series, marker=".", label=harness)
+    left.set(title="training reward per rollout batch (all episodes)", xlabel="rollout batch (one per update)",
+             ylabel="mean reward", ylim=(-0.05, 1.05))
     evals = [(tag, _success(rep)) for tag, rep in _evals(root)]
     names = sorted({h for _, rep in evals for h in rep})
     for i, harness in enumerate(names):
@@ -135,7 +145,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"{summary['mean_rl']:>6.3f} {ci(summary['mean_ci95_rl']):>13} {summary['improvement']:>+7.3f}")
     quarters = summary.get("train_reward_quarters")
     if quarters:
-        rows.append(f"training reward, first vs last quarter of updates ({quarters['updates_per_quarter']} each): "
+        rows.append(f"training reward, first vs last quarter of rollout batches ({quarters['points_per_quarter']} each): "
                     f"{quarters['first']:.3f} -> {quarters['last']:.3f}")
     phases = summary.get("phases_s")
     if phases:

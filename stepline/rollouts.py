@@ -88,4 +88,4 @@ class BackgroundRollouts:
             await self.driver.run(self.batch_groups, stop=self._halt)
             batches += 1
             now = time.time() - self._started
-            self.history += [{**asdict(r), "t": now} for r in self.driver.results[seen:]]
+            self.history += [{**asdict(r), "t": now, "batch": batches} for r in self.driver.results[seen:]]

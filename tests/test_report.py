@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from stepline.report import format_summary, plot_run, reward_quarters, summarise, wilson
+from stepline.report import batch_rewards, format_summary, plot_run, reward_quarters, summarise, wilson
 
 
 def test_wilson_interval_by_hand():
@@ -17,10 +17,18 @@ def test_wilson_interval_by_hand():
 
 
 def test_reward_quarters():
-    rows = [{"reward_mean": r} for r in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)]
-    # 8 updates -> quarters of 2: (0.1 + 0.2) / 2 and (0.7 + 0.8) / 2
-    assert reward_quarters(rows) == pytest.approx({"first": 0.15, "last": 0.75, "updates_per_quarter": 2})
-    assert reward_quarters(rows[:1]) is None
+    series = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    # 8 batches -> quarters of 2: (0.1 + 0.2) / 2 and (0.7 + 0.8) / 2
+    assert reward_quarters(series) == pytest.approx({"first": 0.15, "last": 0.75, "points_per_quarter": 2})
+    assert reward_quarters(series[:1]) is None
+
+
+def test_batch_rewards_count_every_episode():
+    rows = [{"harness": "search", "reward": 1.0, "batch": 1}, {"harness": "search", "reward": 0.0, "batch": 1},
+            {"harness": "ui", "reward": 1.0, "batch": 1}, {"harness": "ui", "reward": None, "batch": 2}]
+    # batch 1: (1 + 0 + 1) / 3; batch 2: a failed episode without a reward counts as 0
+    assert batch_rewards(rows) == pytest.approx([2 / 3, 0.0])
+    assert batch_rewards(rows, "search") == pytest.approx([0.5])
 
 
 def _eval(rates: dict[str, float], n: int, version: int) -> dict:
@@ -33,15 +41,19 @@ def test_summary_and_plot_from_a_run_directory(tmp_path):
     (tmp_path / "rl").mkdir()
     (tmp_path / "eval" / "before.json").write_text(json.dumps(_eval({"search": 0.2, "ui": 0.4}, 50, 0)))
     (tmp_path / "eval" / "after-4.json").write_text(json.dumps(_eval({"search": 0.5, "ui": 0.6}, 50, 4)))
-    metrics = [{"update": u, "reward_mean": 0.1 * u, "reward/search": 0.1 * u, "reward/ui": 0.2} for u in range(1, 5)]
+    metrics = [{"update": u, "reward_mean": 0.5} for u in range(1, 5)]
     (tmp_path / "rl" / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics))
+    rollouts = [{"harness": h, "reward": 0.1 * b, "batch": b, "t": 10.0 * b, "status": "completed"}
+                for b in range(1, 5) for h in ("search", "ui")]
+    (tmp_path / "rl" / "rollouts.json").write_text(json.dumps(rollouts))
     summary = summarise(tmp_path, 4)
     assert summary["mean_sft"] == pytest.approx(0.3) and summary["mean_rl"] == pytest.approx(0.55)
     assert summary["improvement"] == pytest.approx(0.25)
     assert summary["test_tasks"] == {"search": 50, "ui": 50}
     # mean of two rates, each n = 50: var = (.5 * .5 / 50 + .6 * .4 / 50) / 4 = 0.00245; half = 1.96 * 0.049497
     assert summary["mean_ci95_rl"] == pytest.approx((0.55 - 0.097015, 0.55 + 0.097015), abs=1e-5)
-    assert summary["train_reward_quarters"] == pytest.approx({"first": 0.1, "last": 0.4, "updates_per_quarter": 1})
+    assert summary["train_reward_quarters"] == pytest.approx({"first": 0.1, "last": 0.4, "points_per_quarter": 1})
+    assert summary["rl_updates"] == 4 and summary["rl_episodes"] == 8
     text = format_summary(summary)
     assert "search" in text and "+0.250" in text
     out = plot_run(tmp_path, tmp_path / "progress.png")
