@@ -47,8 +47,11 @@ class BackgroundRollouts:
     def stop(self, timeout: float = 120.0) -> None:
         """Start no new group; let the running episodes end properly (rewarded, ended), then return."""
         self._stop.set()
-        if self._loop is not None and self._halt is not None:
-            self._loop.call_soon_threadsafe(self._halt.set)
+        if self._loop is not None and self._halt is not None and self._thread.is_alive():
+            try:
+                self._loop.call_soon_threadsafe(self._halt.set)
+            except RuntimeError:  # the loop closed between the check and the call: the driver is done
+                pass
         if self._thread.is_alive():
             self._thread.join(timeout)
 
