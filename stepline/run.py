@@ -216,9 +216,17 @@ def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> None:
             raise click.ClickException(f"the rollout driver failed: {rollouts.error!r}")
     finally:
         rollouts.stop()
-        (run.rl / "rollouts.json").write_text(json.dumps(rollouts.history, indent=1))
+        save_rollouts(run.rl / "rollouts.json", rollouts.history)
         sync.close()
         pool.close()
+
+
+def save_rollouts(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Append this run's episodes to those a stopped run of the same job wrote (resume keeps history);
+    batch numbers continue after the earlier run's."""
+    earlier = json.loads(path.read_text()) if path.is_file() else []
+    offset = 1 + max((r.get("batch", 0) for r in earlier), default=-1)
+    path.write_text(json.dumps(earlier + [{**r, "batch": r.get("batch", 0) + offset} for r in rows], indent=1))
 
 
 def write_summary(cfg: JobConfig, run: RunDir) -> dict[str, Any]:

@@ -58,3 +58,13 @@ def test_summary_and_plot_from_a_run_directory(tmp_path):
     assert "search" in text and "+0.250" in text
     out = plot_run(tmp_path, tmp_path / "progress.png")
     assert out.stat().st_size > 10_000  # a drawn figure, not an empty canvas
+
+
+def test_resumed_run_keeps_earlier_episodes(tmp_path):
+    from stepline.run import save_rollouts
+
+    path = tmp_path / "rollouts.json"
+    save_rollouts(path, [{"harness": "ui", "reward": 1.0, "batch": 0}, {"harness": "ui", "reward": 0.0, "batch": 1}])
+    save_rollouts(path, [{"harness": "ui", "reward": 0.5, "batch": 0}])  # the resumed run counts from 0 again
+    assert [r["batch"] for r in json.loads(path.read_text())] == [0, 1, 2]
+    assert batch_rewards(json.loads(path.read_text())) == pytest.approx([1.0, 0.0, 0.5])
