@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_engine.py [--model DIR] [--tokens 64] [--seconds 8] [--threads 1]
         [--dtype bfloat16] [--baseline-src DIR]
-    .venv/bin/python benchmarks/bench_engine.py --episodes --model /tmp/smol [--concurrent 8] [--turns 4]
+    .venv/bin/python benchmarks/bench_engine.py --episodes --model models/smollm2 [--concurrent 8] [--turns 4]
         [--baseline-src DIR] [--repeats 1]
 
 Every engine runs as its own process (`stepline engine`, `--threads` torch threads); without
