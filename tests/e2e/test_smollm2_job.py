@@ -22,7 +22,7 @@ from gateway.parsers import parse_text
 from stepline.job import load_job
 from stepline.run import run_job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the job takes minutes, not the suite default 300 s
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {"search": {"search", "answer"}, "terminal": {"bash"}, "ui": {"tap", "type", "scroll", "back", "ask_user"}}
 
