@@ -3,7 +3,7 @@ the training speed of full fine-tuning against the faster options on a real mode
 
     .venv/bin/python benchmarks/bench_trainer.py                   # 8 sessions × 10 turns, CPU or the GPU if any
     .venv/bin/python benchmarks/bench_trainer.py --turns 20 --hidden 512 --layers 8
-    .venv/bin/python benchmarks/bench_trainer.py --model /tmp/smol # full fp32 vs bf16 / top-6 / LoRA, 20 SFT steps
+    .venv/bin/python benchmarks/bench_trainer.py --model models/smollm2 # full fp32 vs bf16 / top-6 / LoRA, 20 SFT steps
 
 --model DIR: a short SFT (--steps optimizer steps on the same rows: --sessions sessions of --turns turns of
 this repository's README text, tokenized by the model's tokenizer) through the trainer's own
