@@ -11,7 +11,22 @@ class GatewaySettings(BaseModel):
     host: str = Field("127.0.0.1", description="interface to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0: a free port)")
     admin_token: str | None = Field(None, description="token for /admin/* and POST /sessions; None: open")
-    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request body accepted (413 above)")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="largest request body accepted, counted after decompression (413 above)"
+    )
+    offload_bytes: int = Field(
+        256 * 1024, ge=0, description="bodies larger than this are parsed and rendered on a worker thread"
+    )
+    max_prompts: int = Field(64, ge=1, description="largest Completions prompt batch accepted")
+    max_engine_requests: int = Field(
+        256, ge=1, description="largest prompts x n of one call (each is one engine request)"
+    )
+    session_idle_timeout: float = Field(
+        24 * 3600.0, gt=0, description="open sessions without a call for this long end as `abandoned`"
+    )
+    read_timeout: float = Field(
+        60.0, gt=0, description="seconds a client may take to send a request's headers and body (408 after)"
+    )
     context_length: int | None = Field(
         None, gt=0, description="prompt + output token limit; None: the model's max_position_embeddings"
     )

@@ -17,13 +17,13 @@ from typing import Any, Literal
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, with_config
+from pydantic import BaseModel, ConfigDict, Field, with_config
 from typing_extensions import NotRequired, TypedDict
 
 from gateway.engines import Generation, SamplingParams, StreamDelta
 from gateway.frontends import flow
 from gateway.frontends.core import Core
-from gateway.frontends.errors import ApiError, error_body, from_validation, invalid
+from gateway.frontends.errors import ApiError, error_body, invalid
 from gateway.parsers.base import Event, ParsedOutput
 from gateway.templating import ChatTemplate, Message
 from gateway.tito import Prompt
@@ -293,11 +293,7 @@ class ChatEmitter:
 
 async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     session = core.session_for(request)
-    raw = await request.read()
-    try:
-        req = ChatRequest.model_validate_json(raw)  # one pass in pydantic-core: parse and validate
-    except ValidationError as exc:
-        raise from_validation(exc) from None
+    raw, req = await core.parse(ChatRequest, request)
     call = to_call(req, core.settings.max_n)
     emitter = ChatEmitter(req.model or core.settings.model_name, core.template, bool(req.logprobs),
                           req.top_logprobs or 0, bool(req.stream_options and req.stream_options.include_usage))

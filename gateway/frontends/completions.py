@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.engines import Generation, SamplingParams
 from gateway.frontends.chat import StreamOptions, sampling_of
 from gateway.frontends.core import Core, now
-from gateway.frontends.errors import ApiError, error_body, from_validation, invalid
-from gateway.frontends.flow import SSE_HEADERS
+from gateway.frontends.errors import ApiError, error_body, invalid
+from gateway.frontends.flow import SSE_HEADERS, choice_seed
 from gateway.sessions import Session
 from gateway.tito import Prompt
 
@@ -71,7 +71,7 @@ class Completions:
     def samplings(self, prompt: Prompt) -> list[SamplingParams]:
         base = sampling_of(self.req.temperature, self.req.top_p, self.req.top_k, self.req.stop, self.req.seed)
         base.max_new_tokens = self.core.max_new_tokens(len(prompt.ids), self.req.max_tokens)
-        return [base if base.seed is None else SamplingParams(**{**base.__dict__, "seed": base.seed + i})
+        return [base if base.seed is None else SamplingParams(**{**base.__dict__, "seed": choice_seed(base.seed, i)})
                 for i in range(self.req.n)]
 
     def logprobs(self, ids: list[int], lps: list[float]) -> dict | None:
@@ -100,23 +100,23 @@ class Completions:
 
 async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     session = core.session_for(request)
-    raw = await request.read()
-    try:
-        req = CompletionRequest.model_validate_json(raw)  # one pass in pydantic-core: parse and validate
-    except ValidationError as exc:
-        raise from_validation(exc) from None
+    raw, req = await core.parse(CompletionRequest, request)
     if req.echo or req.suffix:
         raise invalid("echo and suffix are not supported", param="echo" if req.echo else "suffix")
     if req.n > core.settings.max_n:
         raise invalid(f"n must be at most {core.settings.max_n}", param="n")
     sources = _prompts(req, core.template.tokenizer.get_vocab_size())
+    if len(sources) > core.settings.max_prompts:
+        raise invalid(f"a prompt batch holds at most {core.settings.max_prompts} prompts", param="prompt")
+    if len(sources) * req.n > core.settings.max_engine_requests:
+        raise invalid(f"prompts x n must be at most {core.settings.max_engine_requests}", param="n")
     job = Completions(core, session, req, raw)
     if req.stream:
         if len(sources) != 1:
             raise invalid("streaming takes one prompt", param="prompt")
         return await _stream(job, request, sources[0])
     timings = {"received": now()}
-    prompts = [job.prompt(s) for s in sources]
+    prompts = await core.offload(len(raw), lambda: [job.prompt(s) for s in sources])
     samplings = [job.samplings(p) for p in prompts]
     results = await asyncio.gather(*(core.generate(session, p.ids, s) for p, s in zip(prompts, samplings)))
     timings["done"] = now()
@@ -135,7 +135,7 @@ async def handle(core: Core, request: web.Request) -> web.StreamResponse:
 async def _stream(job: Completions, request: web.Request, source: str | list[int]) -> web.StreamResponse:
     core = job.core
     timings = {"received": now()}
-    prompt = job.prompt(source)
+    prompt = await core.offload(len(job.raw), job.prompt, source)
     samplings = job.samplings(prompt)
     upstream = await core.open_stream(job.session, prompt.ids, samplings)
     include_usage = bool(job.req.stream_options and job.req.stream_options.include_usage)

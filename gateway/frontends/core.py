@@ -8,26 +8,69 @@ format, and hands one `CallRecord` per choice to `Core.record` (which never wait
 from __future__ import annotations
 
 import asyncio
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 
 from datapool.records import CallRecord
 from gateway import metrics
 from gateway.config import GatewaySettings
 from gateway.engines import EngineError, EngineRouter, EngineUnavailable, Generation, SamplingParams, StreamDelta
-from gateway.frontends.errors import ApiError, invalid
+from gateway.frontends.errors import ApiError, from_validation, invalid
 from gateway.parsers import make_parser, parser_family
 from gateway.parsers.base import StreamParser
 from gateway.recorder import Recorder
 from gateway.sessions import Session, SessionStore
 from gateway.templating import ChatTemplate
 from gateway.weights import Paused, WeightGate
+
+
+M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_LONG_NUMBER = re.compile(rb"\d{19}")  # every integer outside the 64-bit range has at least 19 digits
+
+
+def int64_violation(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first integer outside [-2^63, 2^63) in a parsed JSON value, or None.
+
+    Such integers would pass the schema (Python ints are unbounded) and fail later, in orjson, msgpack
+    or the database, after the engine already generated; so they are refused at the edge."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, bool):
+            continue
+        if isinstance(item, int):
+            if not INT64_MIN <= item <= INT64_MAX:
+                return where or "body"
+        elif isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(item))
+    return None
+
+
+def check_int64(raw: bytes) -> None:
+    """400 naming the field when the JSON body holds an integer beyond 64 bits (cheap scan first)."""
+    if not _LONG_NUMBER.search(raw):
+        return
+    try:
+        data = from_json(raw)
+    except ValueError:
+        return  # malformed JSON: the schema's parse reports it
+    where = int64_violation(data)
+    if where is not None:
+        raise invalid(f"{where}: integers must lie in the 64-bit range [-2^63, 2^63)", param=where)
 
 
 def bearer_key(request: web.Request) -> str | None:
@@ -87,6 +130,28 @@ class Core:
         if not isinstance(data, dict):
             raise invalid("the body must be a JSON object")
         return raw, data
+
+    async def parse(self, model: type[M], request: web.Request) -> tuple[bytes, M]:
+        """The raw body and its validated request (400 naming the field on any problem).
+
+        Bodies past `offload_bytes` are parsed on a worker thread, so one large request never stalls
+        the event loop (and with it every other session's calls)."""
+        raw = await request.read()
+
+        def validate() -> M:
+            check_int64(raw)
+            try:
+                return model.model_validate_json(raw)  # one pass in pydantic-core: parse and validate
+            except ValidationError as exc:
+                raise from_validation(exc) from None
+
+        return raw, await self.offload(len(raw), validate)
+
+    async def offload(self, size: int, fn: Callable[..., R], *args: Any) -> R:
+        """fn(*args), on a worker thread when the request it works on is large (`size` bytes)."""
+        if size > self.settings.offload_bytes:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     def max_new_tokens(self, prompt_len: int, requested: int | None) -> int:
         """New-token budget: the request's (or the default), cut to what the context has room for."""

@@ -89,8 +89,14 @@ def build_prompt(core: Core, session: Session, call: ChatCall) -> tuple[Prompt, 
     base = replace(call.sampling, max_new_tokens=budget,
                    stop_token_ids=sorted({*call.sampling.stop_token_ids, *core.template.stop_token_ids}))
     # n choices of one seeded call must differ from each other and still be reproducible
-    samplings = [base if base.seed is None else replace(base, seed=base.seed + i) for i in range(call.n)]
+    samplings = [base if base.seed is None else replace(base, seed=choice_seed(base.seed, i)) for i in range(call.n)]
     return prompt, samplings
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The engine seed of choice `index` of a call seeded `seed` (any int64): inside [0, 2^63), which
+    every engine accepts, so a seed near the top of the range cannot fail (or abort) the call."""
+    return (seed + index) % 2**63
 
 
 def _parser(core: Core, call: ChatCall) -> StreamParser:
@@ -101,7 +107,7 @@ def _parser(core: Core, call: ChatCall) -> StreamParser:
 async def run(core: Core, session: Session, call: ChatCall, raw: bytes, emitter: Emitter) -> dict:
     """A whole (non-streamed) call: returns the API answer after queueing its records."""
     timings = {"received": now()}
-    prompt, samplings = build_prompt(core, session, call)
+    prompt, samplings = await core.offload(len(raw), build_prompt, core, session, call)
     timings["dispatched"] = now()
     gens, version = await core.generate(session, prompt.ids, samplings)
     timings["done"] = now()
@@ -119,7 +125,7 @@ async def stream(core: Core, request: web.Request, session: Session, call: ChatC
                  emitter: Emitter) -> web.StreamResponse:
     """A streamed call: text reaches the client as the engine produces it."""
     timings = {"received": now()}
-    prompt, samplings = build_prompt(core, session, call)
+    prompt, samplings = await core.offload(len(raw), build_prompt, core, session, call)
     timings["dispatched"] = now()
     upstream = await core.open_stream(session, prompt.ids, samplings)
     response = web.StreamResponse(headers=SSE_HEADERS)

@@ -14,13 +14,13 @@ from typing import Any, Literal
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.engines import Generation, StreamDelta
 from gateway.frontends import flow
 from gateway.frontends.chat import sampling_of
 from gateway.frontends.core import Core
-from gateway.frontends.errors import ApiError, error_body, from_validation, invalid
+from gateway.frontends.errors import ApiError, error_body, invalid
 from gateway.parsers.base import Event, ParsedOutput, ToolCall
 from gateway.templating import Message, TemplateError
 from gateway.tito import Prompt
@@ -257,11 +257,7 @@ class MessagesEmitter:
 
 async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     session = core.session_for(request)
-    raw = await request.read()
-    try:
-        req = MessagesRequest.model_validate_json(raw)  # one pass in pydantic-core: parse and validate
-    except ValidationError as exc:
-        raise from_validation(exc) from None
+    raw, req = await core.parse(MessagesRequest, request)
     call = to_call(req)
     emitter = MessagesEmitter(req.model or core.settings.model_name)
     if call.stream:
@@ -277,16 +273,16 @@ class CountTokensRequest(MessagesRequest):
 async def count_tokens(core: Core, request: web.Request) -> web.Response:
     """`POST /v1/messages/count_tokens`: the prompt's length as the template renders it (no call, no record)."""
     session = core.session_for(request)
-    raw = await request.read()
-    try:
-        req = CountTokensRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
+    raw, req = await core.parse(CountTokensRequest, request)
     call = to_call(req)
     del session  # attribution only: counting touches no session state
-    try:
-        text = core.template.render(call.messages, call.tools, add_generation_prompt=True)
-    except TemplateError as exc:
-        raise invalid(str(exc), param="messages") from None
-    return web.Response(body=orjson.dumps({"input_tokens": len(core.template.encode(text))}),
+
+    def count() -> int:
+        try:
+            text = core.template.render(call.messages, call.tools, add_generation_prompt=True)
+        except TemplateError as exc:
+            raise invalid(str(exc), param="messages") from None
+        return len(core.template.encode(text))
+
+    return web.Response(body=orjson.dumps({"input_tokens": await core.offload(len(raw), count)}),
                         content_type="application/json")

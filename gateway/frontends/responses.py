@@ -15,13 +15,13 @@ from typing import Any, Literal
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.engines import Generation, StreamDelta
 from gateway.frontends import flow
 from gateway.frontends.chat import sampling_of
 from gateway.frontends.core import Core
-from gateway.frontends.errors import ApiError, from_validation, invalid
+from gateway.frontends.errors import ApiError, invalid
 from gateway.parsers.base import Event, ParsedOutput
 from gateway.sessions import Session
 from gateway.templating import Message
@@ -319,11 +319,7 @@ class ResponsesEmitter:
 
 async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     session = core.session_for(request)
-    raw = await request.read()
-    try:
-        req = ResponsesRequest.model_validate_json(raw)  # one pass in pydantic-core: parse and validate
-    except ValidationError as exc:
-        raise from_validation(exc) from None
+    raw, req = await core.parse(ResponsesRequest, request)
     call = to_call(req, session)
     emitter = ResponsesEmitter(req, req.model or core.settings.model_name, session, call)
     if call.stream:

@@ -1,0 +1,115 @@
+"""Bounded work per request and validation at the edge (issue 12's findings 1, 3, 7, 8): bodies
+counted after decompression (413), large bodies parsed and rendered off the event loop, prompt batches
+and n capped, integers beyond 64 bits refused with a 400 that names the field, and a session's URL
+is an address, not a credential."""
+
+from __future__ import annotations
+
+import gzip
+import json  # writes integers of any size (orjson refuses those beyond 64 bits)
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from gateway_helpers import ServedInThread
+
+from gateway.frontends import flow
+from gateway.frontends.core import int64_violation
+from gateway.frontends.flow import choice_seed
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def gw(qwen3_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedInThread]:
+    # the default body limit and offload threshold: what a deployment gets
+    with ServedInThread(qwen3_model_dir, tmp_path_factory.mktemp("hardening"), context_length=256) as served:
+        with httpx.Client(timeout=60) as served.client:
+            yield served
+
+
+@pytest.fixture()
+def session(gw: ServedInThread) -> dict:
+    return gw.run(gw.served.session())
+
+
+def post(gw: ServedInThread, session: dict, path: str, body: object = None, content: bytes | None = None,
+         headers: dict | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {session['api_key']}", **(headers or {})}
+    url = f"{gw.served.url}/s/{session['session_id']}/v1/{path}"
+    return gw.client.post(url, json=body if content is None else None, content=content, headers=headers)
+
+
+def test_a_small_gzip_body_inflating_past_the_limit_is_413(gw: ServedInThread, session: dict) -> None:
+    # finding 1: 20 KB of gzip inflating to 10 MB used to be parsed and tokenised in full
+    big = orjson.dumps({**CHAT, "messages": [{"role": "user", "content": "a" * 10_000_000}]})
+    packed = gzip.compress(big)
+    assert len(packed) < 100_000
+    r = post(gw, session, "chat/completions", content=packed,
+             headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert post(gw, session, "chat/completions", CHAT).status_code == 200  # and it keeps serving
+
+
+def test_a_large_body_is_rendered_off_the_event_loop(gw: ServedInThread, session: dict,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[threading.Thread] = []
+    original = flow.build_prompt
+
+    def spy(*args):
+        threads.append(threading.current_thread())
+        return original(*args)
+
+    monkeypatch.setattr(flow, "build_prompt", spy)
+    assert post(gw, session, "chat/completions", CHAT).status_code == 200
+    large = {**CHAT, "messages": [{"role": "user", "content": "word " * 100_000}]}  # 500 KB > offload_bytes
+    r = post(gw, session, "chat/completions", large)
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert threads[0] is gw.thread  # small: on the loop, as before
+    assert threads[1] is not gw.thread  # large: on a worker thread; the loop keeps serving others
+
+
+def test_completions_prompt_batches_and_n_are_capped(gw: ServedInThread, session: dict) -> None:
+    # finding 7: one request of 1,600 prompts became 1,600 engine requests
+    r = post(gw, session, "completions", {"model": "m", "prompt": ["hi"] * 65, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = post(gw, session, "completions", {"model": "m", "prompt": ["hi"] * 17, "n": 16, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = post(gw, session, "completions", {"model": "m", "prompt": ["hi"] * 4, "n": 2, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("chat/completions", {**CHAT, "seed": 2**64}, "seed"),
+    ("chat/completions", {**CHAT, "max_tokens": -(2**63) - 1}, "max_tokens"),
+    ("responses", {"model": "m", "input": "hi", "max_output_tokens": 2**64}, "max_output_tokens"),
+    ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "get", "parameters": {"type": "object", "properties": {"n": {"maximum": 10**30}}}}}]},
+     "tools.0.function.parameters.properties.n.maximum"),
+    ("messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "seed": 2**70},
+     "seed"),
+    ("completions", {"model": "m", "prompt": [1, 2**64], "max_tokens": 2}, "prompt.1"),
+])
+def test_integers_beyond_64_bits_are_400_naming_the_field(gw: ServedInThread, session: dict, path: str,
+                                                          body: dict, field: str) -> None:
+    # finding 8: they passed the schema and failed in orjson ("Integer exceeds 64-bit range") -> 500
+    r = post(gw, session, path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert field in r.text
+
+
+def test_the_largest_seed_still_serves_every_choice(gw: ServedInThread, session: dict) -> None:
+    r = post(gw, session, "chat/completions", {**CHAT, "seed": 2**63 - 1, "n": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    assert [choice_seed(2**63 - 1, i) for i in range(2)] == [2**63 - 1, 0]  # wraps inside [0, 2^63)
+    assert choice_seed(-1, 0) == 2**63 - 1
+
+
+def test_int64_violation_names_the_first_bad_path() -> None:
+    assert int64_violation({"a": [1, {"b": 2**63}]}) == "a.1.b"
+    assert int64_violation({"a": -(2**63), "b": 2**63 - 1, "c": True, "d": 1e300}) is None
