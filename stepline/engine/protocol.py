@@ -9,9 +9,9 @@ ids inside the vocabulary, prompt plus new tokens inside the context). Every fai
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 __all__ = [
     "AbortRequest", "BadRequest", "GenerateRequest", "PauseRequest", "SamplingParams", "SequenceSpec",
@@ -23,6 +23,23 @@ class BadRequest(ValueError):
     """A request the engine refuses; the message says which field and why (HTTP 400)."""
 
 
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64 bits; a sample's seed is sampling_seed + j, wrapped
+MAX_SEQUENCES = 1024  # prompts x n of one request: each is a sequence the scheduler holds
+
+
+def _unicode(value: str) -> str:
+    """Text must be valid Unicode: JSON's \\ud800 escapes decode to lone surrogates, which neither the
+    tokenizer nor the JSON encoder of the answer can take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (it holds a lone surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -32,11 +49,11 @@ class SamplingParams(_Strict):
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 or 0: no limit.")
-    stop: str | list[str] | None = Field(None, description="Stop strings; the text is cut before the match.")
+    stop: Text | list[Text] | None = Field(None, description="Stop strings; the text is cut before the match.")
     stop_token_ids: list[int] | None = Field(None, description="Extra stop tokens; kept in output_ids.")
     n: int = Field(1, ge=1, le=64, description="Samples per prompt.")
     ignore_eos: bool = False
-    sampling_seed: int | None = Field(None, ge=0, description="Makes this request's sampling reproducible.")
+    sampling_seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Makes this request's sampling reproducible.")
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = Field(False, description="Keep the matched stop token/string in `text`.")
@@ -49,25 +66,25 @@ class SamplingParams(_Strict):
 
 class GenerateRequest(_Strict):
     input_ids: list[int] | list[list[int]] | None = None
-    text: str | list[str] | None = None
+    text: Text | list[Text] | None = None
     sampling_params: SamplingParams | list[SamplingParams] = Field(default_factory=SamplingParams)
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     logprob_start_len: int = -1  # accepted for compatibility; prompt logprobs are not returned
     stream: bool = False
-    rid: str | list[str] | None = None
+    rid: Text | list[Text] | None = None
 
 
 class UpdateWeightsRequest(_Strict):
-    model_path: str
-    load_format: str | None = None
-    weight_version: str | None = None
+    model_path: Text
+    load_format: Text | None = None
+    weight_version: Text | None = None
     abort_all_requests: bool = False
     flush_cache: bool = True
 
 
 class UpdateWeightVersionRequest(_Strict):
-    new_version: str
+    new_version: Text
     abort_all_requests: bool = False
 
 
@@ -78,7 +95,7 @@ class PauseRequest(_Strict):
 
 
 class AbortRequest(_Strict):
-    rid: str = ""
+    rid: Text = ""
     abort_all: bool = False
 
 
@@ -101,6 +118,8 @@ def expand(req: GenerateRequest, vocab_size: int, context_len: int, encode, new_
     prompts, is_batch = _prompts(req, encode)
     params = _per_prompt(req.sampling_params, len(prompts), "sampling_params")
     rids = _per_prompt(req.rid, len(prompts), "rid") if req.rid is not None else [new_rid() for _ in prompts]
+    if sum(p.n for p in params) > MAX_SEQUENCES:
+        raise BadRequest(f"prompts x sampling_params.n must be at most {MAX_SEQUENCES}")
     specs: list[SequenceSpec] = []
     for i, (ids, p, rid) in enumerate(zip(prompts, params, rids)):
         _check_ids(ids, i if is_batch else None, vocab_size)
@@ -112,7 +131,7 @@ def expand(req: GenerateRequest, vocab_size: int, context_len: int, encode, new_
         if any(s == "" for s in p.stop_strings()):
             raise BadRequest("sampling_params.stop must not contain an empty string")
         for j in range(p.n):
-            seed = None if p.sampling_seed is None else p.sampling_seed + j
+            seed = None if p.sampling_seed is None else (p.sampling_seed + j) % (MAX_SEED + 1)
             sample_rid = rid if p.n == 1 else f"{rid}-{j}"
             specs.append(SequenceSpec(len(specs), sample_rid, ids, p, seed))
     return specs, is_batch or len(specs) > 1

@@ -190,7 +190,11 @@ class Scheduler:
             if first:
                 seq.weight_version = self.weight_version
                 seed = seq.spec.seed if seq.spec.seed is not None else random.getrandbits(63)
-                seq.generator = torch.Generator().manual_seed(seed)
+                try:
+                    seq.generator = torch.Generator().manual_seed(seed)
+                except (RuntimeError, OverflowError) as exc:  # this request's seed: fail it alone
+                    self._finish(seq, {"type": "abort", "message": f"bad sampling seed {seed}: {exc}"})
+                    continue
                 if seq.spec.params.max_new_tokens == 0:
                     self._finish(seq, {"type": "length", "length": 0})
                     continue

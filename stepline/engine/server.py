@@ -8,6 +8,9 @@
     GET  /health, /health_generate, /model_info (= /get_model_info), /get_server_info, /get_weight_version
 
 Errors: malformed JSON, wrong types and impossible values are 400 with {"error": {"message": ...}}.
+
+Limits (stepline.engine.limits): bodies past max_body_bytes are 413, bodies slower than read_timeout
+408; with a control token, every route but /generate, /health* and the info routes needs it (401).
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from typing import Any
 
 import orjson
 import torch
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from stepline.engine.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT, BoundedBody, Control
 from stepline.engine.protocol import (
     AbortRequest, BadRequest, GenerateRequest, PauseRequest, UpdateWeightsRequest, UpdateWeightVersionRequest,
     expand,
@@ -52,11 +56,14 @@ DEFAULT_PREFIX_CACHE_MB = 1024.0
 
 def create_app(model_dir: Path | str, *, incremental_streaming: bool = False, max_running: int = 64,
                context_length: int | None = None, weight_version: str = "0",
-               prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, dtype: str = "float32") -> FastAPI:
+               prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, dtype: str = "float32",
+               control_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               read_timeout: float = DEFAULT_READ_TIMEOUT) -> FastAPI:
     """The engine as an ASGI app; its scheduler thread runs while the app's lifespan does.
 
     prefix_cache_mb bounds the K/V kept of finished sequences for later prompts that extend them (0: off);
-    dtype (float32 or bfloat16) is that of the weights and K/V, also for weights loaded later.
+    dtype (float32 or bfloat16) is that of the weights and K/V, also for weights loaded later;
+    control_token (None: open) guards pause, abort, weight and version updates and the cache flush.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
@@ -78,9 +85,12 @@ def create_app(model_dir: Path | str, *, incremental_streaming: bool = False, ma
 
     app = FastAPI(title="stepline engine", lifespan=lifespan)
     app.state.engine = state
+    app.state.control = Control(control_token)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(HTTPException, _http_error)
     app.include_router(router)
+    app.add_middleware(BoundedBody, max_bytes=max_body_bytes, read_timeout=read_timeout)
     return app
 
 
@@ -106,10 +116,18 @@ def _engine(request: Request) -> _State:
     return request.app.state.engine
 
 
+def _control(request: Request) -> None:
+    request.app.state.control(request)
+
+
+CONTROL = [Depends(_control)]
+
+
 @router.post("/generate")
 async def generate(req: GenerateRequest, request: Request, st: _State = Depends(_engine)) -> Response:
-    specs, is_batch = expand(req, st.vocab_size, st.context_length, st.tokenizer.encode,
-                             lambda: uuid.uuid4().hex)
+    # on a worker thread: tokenising a long text must not stall every other request's stream
+    specs, is_batch = await run_in_threadpool(expand, req, st.vocab_size, st.context_length, st.tokenizer.encode,
+                                              lambda: uuid.uuid4().hex)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     seqs = [Sequence(spec, _notifier(loop, events, spec.index), stream=req.stream) for spec in specs]
     started = time.perf_counter()
@@ -128,7 +146,7 @@ async def generate(req: GenerateRequest, request: Request, st: _State = Depends(
     results = [_result(st, req, s, len(s.output_ids), 0, started) for s in seqs]
     return _json(results if is_batch else results[0])
 
-@router.post("/update_weights_from_disk")
+@router.post("/update_weights_from_disk", dependencies=CONTROL)
 async def update_weights_from_disk(req: UpdateWeightsRequest, st: _State = Depends(_engine)) -> Response:
     async with st.update_lock:
         old = st.scheduler.model
@@ -151,7 +169,7 @@ async def update_weights_from_disk(req: UpdateWeightsRequest, st: _State = Depen
     return _json({"success": True, "message": "Succeeded to update model weights.",
                   "num_paused_requests": 0, "weight_version": version})
 
-@router.post("/update_weight_version")
+@router.post("/update_weight_version", dependencies=CONTROL)
 async def update_weight_version(req: UpdateWeightVersionRequest, st: _State = Depends(_engine)) -> Response:
     def set_version() -> None:
         if req.abort_all_requests:
@@ -161,7 +179,7 @@ async def update_weight_version(req: UpdateWeightVersionRequest, st: _State = De
     await st.control(set_version)
     return _json({"success": True, "message": "Weight version updated.", "weight_version": req.new_version})
 
-@router.post("/pause_generation")
+@router.post("/pause_generation", dependencies=CONTROL)
 async def pause_generation(req: PauseRequest | None = None, st: _State = Depends(_engine)) -> Response:
     mode = (req or PauseRequest()).mode
 
@@ -175,19 +193,19 @@ async def pause_generation(req: PauseRequest | None = None, st: _State = Depends
     await st.control(pause)
     return _json({"success": True, "message": f"Generation paused ({mode})."})
 
-@router.post("/continue_generation")
+@router.post("/continue_generation", dependencies=CONTROL)
 async def continue_generation(st: _State = Depends(_engine)) -> Response:
     await st.control(lambda: setattr(st.scheduler, "paused", False))
     return _json({"success": True, "message": "Generation continued."})
 
-@router.post("/abort_request")
+@router.post("/abort_request", dependencies=CONTROL)
 async def abort_request(req: AbortRequest, st: _State = Depends(_engine)) -> Response:
     if not req.abort_all and not req.rid:
         raise BadRequest("give rid or abort_all: true")
     count = await st.control(lambda: st.scheduler.abort(None if req.abort_all else req.rid))
     return _json({"success": True, "aborted": count})
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.api_route("/flush_cache", methods=["GET", "POST"], dependencies=CONTROL)
 async def flush_cache(st: _State = Depends(_engine)) -> Response:
     await st.control(st.scheduler.prefix_cache.clear)  # running sequences keep their own K/V
     return PlainTextResponse("Cache flushed.\n")
@@ -338,4 +356,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
 
 async def _bad_request(request: Request, exc: BadRequest) -> Response:
     return _json({"error": {"message": str(exc), "type": "BadRequest"}}, 400)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kind = "Unauthorized" if exc.status_code == 401 else "BadRequest"
+    return _json({"error": {"message": str(exc.detail), "type": kind}}, exc.status_code)
 
