@@ -54,22 +54,29 @@ async def running_gateway(
     engine_timeout: float = 600.0,
     initial_version: int = 0,
     max_connections: int = 4096,
+    engine_token: str | None = None,
 ) -> AsyncIterator[Gateway]:
     """Serve the gateway on settings.host:settings.port (0: a free port) until the block exits.
-    The pool is not closed here (the caller opened it)."""
+    The pool is not closed here (the caller opened it). engine_token: sent as Bearer on every engine
+    call (the built-in engine's --control-token; SGLang's and vLLM's --api-key)."""
     from gateway.app import create_app
 
     # one upstream session for every engine call (DESIGN §6); aiohttp's default of 100 connections
     # would cap the calls in flight
     connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=max_connections)
-    async with aiohttp.ClientSession(connector=connector) as http:
+    headers = {"Authorization": f"Bearer {engine_token}"} if engine_token else None
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as http:
         router = EngineRouter([make_engine(u, engine_kind, http, engine_timeout) for u in engine_urls])
         recorder = Recorder(pool)
         gate = WeightGate(router, max_wait=settings.max_wait_paused, initial_version=initial_version)
         await router.start()
         await recorder.start()
         app = create_app(settings, router, recorder, gate, model_dir)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that hangs up cancels its handler, and with it the engine request
+        # (the engine aborts a request whose connection closed); keepalive_timeout also bounds how long
+        # a connection may take to send a request's headers
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                               keepalive_timeout=settings.read_timeout)
         await runner.setup()
         try:
             site = web.TCPSite(runner, settings.host, settings.port)
@@ -122,6 +129,11 @@ async def running_gateway(
 @click.option(
     "--strict-template", is_flag=True, help="Render every turn with the template (fork where it rewrites history)."
 )
+@click.option(
+    "--engine-token",
+    default=lambda: os.environ.get("STEPLINE_ENGINE_TOKEN"),
+    help="Bearer token for the engines (their control endpoints) [env STEPLINE_ENGINE_TOKEN].",
+)
 @click.option("--engine-timeout", default=600.0, show_default=True, help="Seconds an engine call may take.")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
 def gateway_command(
@@ -136,6 +148,7 @@ def gateway_command(
     model_name: str,
     context_length: int | None,
     strict_template: bool,
+    engine_token: str | None,
     engine_timeout: float,
     initial_version: int,
 ) -> None:
@@ -160,7 +173,8 @@ def gateway_command(
     except Exception as exc:  # the edge: any failure to open is the operator's URL or database
         raise click.ClickException(f"cannot open the pool {pool_url!r}: {exc}") from exc
     try:
-        asyncio.run(_serve(settings, list(engines), engine_kind, model_dir, pool, engine_timeout, initial_version))
+        asyncio.run(_serve(settings, list(engines), engine_kind, model_dir, pool, engine_timeout, initial_version,
+                           engine_token))
     except OSError as exc:
         raise click.ClickException(f"cannot serve on {host}:{port}: {exc}") from exc
     finally:
@@ -168,13 +182,15 @@ def gateway_command(
 
 
 async def _serve(
-    settings, engines: list[str], kind: str, model_dir: Path, pool: Pool, timeout: float, version: int
+    settings, engines: list[str], kind: str, model_dir: Path, pool: Pool, timeout: float, version: int,
+    engine_token: str | None,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with running_gateway(settings, engines, model_dir, pool, kind, timeout, version) as gw:
+    async with running_gateway(settings, engines, model_dir, pool, kind, timeout, version,
+                               engine_token=engine_token) as gw:
         print(f"stepline gateway on {gw.url} -> {', '.join(engines)} ({kind}); Ctrl-C stops", flush=True)
         await stop.wait()
         log.info("stopping: finishing in-flight calls and flushing records to the pool")

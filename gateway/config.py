@@ -25,7 +25,7 @@ class GatewaySettings(BaseModel):
         24 * 3600.0, gt=0, description="open sessions without a call for this long end as `abandoned`"
     )
     read_timeout: float = Field(
-        60.0, gt=0, description="seconds a client may take to send a request's headers and body (408 after)"
+        30.0, gt=0, description="seconds a client may take to send a request's headers and body (408 after)"
     )
     context_length: int | None = Field(
         None, gt=0, description="prompt + output token limit; None: the model's max_position_embeddings"

@@ -117,10 +117,18 @@ class Core:
         self.sessions.touch(session)
         return session
 
-    @staticmethod
-    async def read_json(request: web.Request, empty_ok: bool = False) -> tuple[bytes, Any]:
-        """The raw body (too large → 413 from aiohttp) and its JSON object (malformed → 400)."""
-        raw = await request.read()
+    async def read_body(self, request: web.Request) -> bytes:
+        """The body, decompressed: too large → 413 (aiohttp counts it as it streams in); slower
+        than `read_timeout` → 408 (a client sending a byte a minute must not hold a handler)."""
+        try:
+            async with asyncio.timeout(self.settings.read_timeout):
+                return await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"the request body took longer than {self.settings.read_timeout:g} s to arrive") from None
+
+    async def read_json(self, request: web.Request, empty_ok: bool = False) -> tuple[bytes, Any]:
+        """The raw body (too large → 413, too slow → 408) and its JSON object (malformed → 400)."""
+        raw = await self.read_body(request)
         if empty_ok and not raw.strip():
             return raw, {}
         try:
@@ -136,7 +144,7 @@ class Core:
 
         Bodies past `offload_bytes` are parsed on a worker thread, so one large request never stalls
         the event loop (and with it every other session's calls)."""
-        raw = await request.read()
+        raw = await self.read_body(request)
 
         def validate() -> M:
             check_int64(raw)

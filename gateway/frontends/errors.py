@@ -17,10 +17,10 @@ from pydantic import ValidationError
 Flavour = Literal["openai", "anthropic"]
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                 404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+                 404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error",
                  429: "rate_limit_error", 502: "api_error", 503: "service_unavailable", 504: "timeout_error"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+                    404: "not_found_error", 408: "timeout_error", 409: "invalid_request_error", 413: "request_too_large",
                     429: "rate_limit_error", 502: "api_error", 503: "overloaded_error", 504: "timeout_error"}
 
 

@@ -5,16 +5,19 @@ is an address, not a credential."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json  # writes integers of any size (orjson refuses those beyond 64 bits)
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 import orjson
 import pytest
-from gateway_helpers import ServedInThread
+from gateway_helpers import ServedInThread, fake_engine, serve, tokenizer
 
 from gateway.frontends import flow
 from gateway.frontends.core import int64_violation
@@ -113,3 +116,57 @@ def test_the_largest_seed_still_serves_every_choice(gw: ServedInThread, session:
 def test_int64_violation_names_the_first_bad_path() -> None:
     assert int64_violation({"a": [1, {"b": 2**63}]}) == "a.1.b"
     assert int64_violation({"a": -(2**63), "b": 2**63 - 1, "c": True, "d": 1e300}) is None
+
+
+async def _until(condition, seconds: float = 15.0) -> bool:
+    """Poll `condition` until it holds or `seconds` pass (a bound, not a measurement)."""
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return True
+        await asyncio.sleep(0.05)
+    return condition()
+
+
+async def test_a_client_hanging_up_cancels_its_engine_request(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    # finding 12: the engine kept generating >= 25 s after the client was gone
+    tok = tokenizer(qwen3_model_dir)
+    engine = fake_engine(tok, ["hello"], latency=60.0)
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {s['api_key']}"}, timeout=120) as c:
+            call = asyncio.create_task(c.post(f"{s['openai_base_url']}/chat/completions", json=CHAT))
+            assert await _until(lambda: engine.in_flight == 1)
+            call.cancel()  # the harness gives up: its connection closes
+            await asyncio.gather(call, return_exceptions=True)
+        assert await _until(lambda: engine.in_flight == 0)  # the engine request went with it
+        await served.flush()
+        assert served.calls(s["session_id"]) == []
+
+
+def _raw(url: str) -> socket.socket:
+    parsed = urlparse(url)
+    sock = socket.create_connection((parsed.hostname, parsed.port))
+    sock.settimeout(20)
+    return sock
+
+
+async def test_slow_headers_and_bodies_are_cut_off(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    # finding 11: slowloris partial requests held connections 40-45 s each
+    engine = fake_engine(tokenizer(qwen3_model_dir), [])
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path, read_timeout=0.5) as served:
+        s = await served.session()
+
+        def slow_clients() -> tuple[bytes, bytes]:
+            with _raw(served.url) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finish
+                headers = sock.recv(1024)
+            with _raw(served.url) as sock:
+                sock.sendall(f"POST /s/{s['session_id']}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                             f"Authorization: Bearer {s['api_key']}\r\nContent-Type: application/json\r\n"
+                             "Content-Length: 100\r\n\r\n{\"mod".encode())  # the body never finishes
+                body = sock.recv(1024)
+            return headers, body
+
+        headers, body = await asyncio.to_thread(slow_clients)
+        assert headers == b""  # closed (a hang would raise socket.timeout)
+        assert body.startswith(b"HTTP/1.1 408"), body
