@@ -8,11 +8,16 @@ recorder keep a batch and retry later instead of dropping it. A 4xx is never ret
 Retries are safe: re-sending an acknowledged call, session, reward or end is a no-op on the server.
 `claim_groups` and `release_groups` are retried only when the request never left (connect errors).
 `add_calls` splits large lists into requests of `batch_size` calls; each request is atomic.
+
+A token (`token=`, default env STEPLINE_POOL_TOKEN) is sent as Bearer; a 401 raises `PoolUnauthorized`,
+not a `PoolError` either: a misconfigured token must not make the recorder drop records as invalid.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import os
 
 import httpx
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
@@ -31,6 +36,10 @@ class PoolUnavailable(ConnectionError):
     """The pool service could not be reached or its database failed (after retries)."""
 
 
+class PoolUnauthorized(PermissionError):
+    """The pool service refused this client's token for the method (HTTP 401)."""
+
+
 class _Retryable(Exception):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
@@ -39,11 +48,13 @@ class _Retryable(Exception):
 
 class PoolClient:
     def __init__(self, url: str, read_only: bool = False, timeout: float = 60.0, batch_size: int = 512,
-                 attempts: int = 5) -> None:
+                 attempts: int = 5, token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.read_only = read_only
         self.batch_size = batch_size
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        token = token or os.environ.get("STEPLINE_POOL_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
         self._attempts = attempts
 
     def _call(self, method: str, **args: Any) -> Any:
@@ -68,6 +79,8 @@ class PoolClient:
         except _Retryable as exc:
             raise PoolUnavailable(f"pool service {self.url}: {exc.cause!r}") from exc.cause
         body = _decode(response)
+        if response.status_code == 401:
+            raise PoolUnauthorized(f"pool service {self.url}: {method}: {response.text}")
         if response.status_code >= 400:
             err = body.get("error", {}) if isinstance(body, dict) else {}
             raise ERRORS.get(err.get("type", ""), PoolError)(err.get("message", response.text))

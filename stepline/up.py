@@ -40,12 +40,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(name: str, args: list[str], logs: Path) -> Child:
+def engine_token() -> str:
+    """The token between the engine and the gateway: STEPLINE_ENGINE_TOKEN, else one made for this
+    process (so `up` and `run` protect the engine they start without saying so)."""
+    return os.environ.setdefault("STEPLINE_ENGINE_TOKEN", secrets.token_urlsafe(24))
+
+
+def start(name: str, args: list[str], logs: Path, env: dict[str, str] | None = None) -> Child:
+    """Start `stepline <args>` as child `name`; env: extra variables (tokens travel there, not in argv,
+    so `ps` shows none of them)."""
     log = logs / f"{name}.log"
     out = log.open("ab")
     # own session: Ctrl-C reaches only `up`, which then stops the children in order; and a child dies
     # with us even when we are killed with -9 (stepline.lifeline)
-    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+    env = {**os.environ, "STEPLINE_ENGINE_TOKEN": engine_token(), PARENT_PID_ENV: str(os.getpid()), **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", *args], stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True, env=env)
     out.close()
@@ -158,6 +166,7 @@ def up_command(
     logs = state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     admin_token = admin_token or secrets.token_urlsafe(16)
+    pool_tokens = {f"STEPLINE_POOL_{right}_TOKEN": secrets.token_urlsafe(24) for right in ("READ", "WRITE", "CLAIM")}
     children: list[Child] = []
     try:
         if engine_url is None:
@@ -169,7 +178,8 @@ def up_command(
         if pool_url is None and serve_pool:
             pool_url = f"http://127.0.0.1:{free_port()}"
             children.append(
-                start("pool", ["pool", "serve", "--db", database, "--port", pool_url.rsplit(":", 1)[1]], logs)
+                start("pool", ["pool", "serve", "--db", database, "--port", pool_url.rsplit(":", 1)[1]], logs,
+                      pool_tokens)
             )
         pool_url = pool_url or database
         gateway_url = f"http://127.0.0.1:{port or free_port()}"
@@ -188,10 +198,9 @@ def up_command(
                     pool_url,
                     "--port",
                     gateway_url.rsplit(":", 1)[1],
-                    "--admin-token",
-                    admin_token,
                 ],
                 logs,
+                {"STEPLINE_ADMIN_TOKEN": admin_token, "STEPLINE_POOL_TOKEN": pool_tokens["STEPLINE_POOL_WRITE_TOKEN"]},
             )
         )
         by_name = {c.name: c for c in children}

@@ -25,8 +25,9 @@ def _ids(xs) -> np.ndarray:
 class ServiceThread:
     """The pool service on a free port, on its own event loop thread (for tests)."""
 
-    def __init__(self, db_url: str) -> None:
+    def __init__(self, db_url: str, tokens=None) -> None:  # tokens: datapool.service.Tokens
         self.db_url = db_url
+        self.tokens = tokens
         self.url = ""
 
     def __enter__(self) -> ServiceThread:
@@ -42,7 +43,7 @@ class ServiceThread:
         started = threading.Event()
 
         async def start() -> None:
-            self.runner = web.AppRunner(make_app(open_pool(self.db_url)), access_log=None)
+            self.runner = web.AppRunner(make_app(open_pool(self.db_url), self.tokens), access_log=None)
             await self.runner.setup()
             site = web.TCPSite(self.runner, "127.0.0.1", 0)
             await site.start()
