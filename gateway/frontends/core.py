@@ -8,6 +8,7 @@ format, and hands one `CallRecord` per choice to `Core.record` (which never wait
 from __future__ import annotations
 
 import asyncio
+import hmac
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -96,14 +97,18 @@ class Core:
 
     # --- the edge: who is calling, with what ---
     def session_for(self, request: web.Request) -> Session:
-        """The calling session: by URL, by session key, or by X-Session-Id (a key for another → 403)."""
+        """The calling session: by session key, or by URL / X-Session-Id together with that session's
+        key (or the admin token). The id alone is an address, not a credential: no key → 401, a key
+        for another session → 403."""
         session_id = request.match_info.get("session") or request.headers.get("X-Session-Id")
         key = bearer_key(request)
         keyed = self.sessions.by_key(key) if key else None
+        if keyed is None and not self._is_admin(key):
+            raise ApiError(401, "send the session's API key (Authorization: Bearer <key> or x-api-key)"
+                           if key is None else "this API key is not a session's", code="invalid_api_key")
         if session_id is None:
-            if keyed is None:
-                raise ApiError(401, "no session: call /s/<session>/v1/..., send the session's API key, "
-                               "or set X-Session-Id", code="invalid_api_key")
+            if keyed is None:  # the admin token names no session
+                raise ApiError(401, "no session: call /s/<session>/v1/... or set X-Session-Id", code="invalid_api_key")
             session = keyed
         else:
             found = self.sessions.get(session_id)
@@ -116,6 +121,10 @@ class Core:
             raise ApiError(409, f"session {session.info.session_id} has ended", code="session_ended")
         self.sessions.touch(session)
         return session
+
+    def _is_admin(self, key: str | None) -> bool:
+        token = self.settings.admin_token
+        return token is not None and key is not None and hmac.compare_digest(key.encode(), token.encode())
 
     async def read_body(self, request: web.Request) -> bytes:
         """The body, decompressed: too large → 413 (aiohttp counts it as it streams in); slower

@@ -170,3 +170,20 @@ async def test_slow_headers_and_bodies_are_cut_off(qwen3_model_dir: Path, tmp_pa
         headers, body = await asyncio.to_thread(slow_clients)
         assert headers == b""  # closed (a hang would raise socket.timeout)
         assert body.startswith(b"HTTP/1.1 408"), body
+
+
+def test_a_session_id_alone_authorises_nothing(gw: ServedInThread, session: dict) -> None:
+    # finding 3: /s/<id>/v1/... with no key, a bogus key, or X-Session-Id without a key answered 200
+    url = f"{gw.served.url}/s/{session['session_id']}/v1/chat/completions"
+    for headers in [{}, {"Authorization": "Bearer sk-bogus"}, {"x-api-key": "sk-bogus"}]:
+        r = gw.client.post(url, json=CHAT, headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    r = gw.client.post(f"{gw.served.url}/v1/chat/completions", json=CHAT, headers={"X-Session-Id": session["session_id"]})
+    assert r.status_code == 401
+    r = gw.client.get(f"{gw.served.url}/s/{session['session_id']}/v1/models")
+    assert r.status_code == 401
+    assert gw.client.post(url, json=CHAT, headers={"Authorization": f"Bearer {session['api_key']}"}).status_code == 200
+    assert gw.client.post(url, json=CHAT, headers={"Authorization": "Bearer adm"}).status_code == 200  # the admin
+    gw.run(gw.served.flush())
+    assert len(gw.served.calls(session["session_id"])) == 2

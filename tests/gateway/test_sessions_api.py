@@ -32,7 +32,8 @@ async def test_create_attribute_reward_end(qwen3_model_dir: Path, tmp_path: Path
             assert (await c.post("/v1/chat/completions", json=CHAT, headers=key)).status_code == 200
             msg = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
             assert (await c.post("/v1/messages", json=msg, headers={"x-api-key": s["api_key"]})).status_code == 200
-            assert (await c.post("/v1/chat/completions", json=CHAT, headers={"X-Session-Id": other["session_id"]})).status_code == 200
+            by_header = {"X-Session-Id": other["session_id"], "Authorization": f"Bearer {other['api_key']}"}
+            assert (await c.post("/v1/chat/completions", json=CHAT, headers=by_header)).status_code == 200
             models = (await c.get("/v1/models")).json()
             assert models["data"][0]["id"] == "stepline"
             health = (await c.get("/health")).json()
