@@ -4,11 +4,16 @@ format with outputs chosen by the test. Used by the gateway's tests and its benc
     async with FakeEngine(script=[Scripted([5, 6, 2])], eos_id=2) as url: ...
 
 Each `/generate` takes the next `Scripted` output (or, when the script is empty, `default_tokens`
-ids derived from the prompt, the last one EOS when `eos_id` is set), then applies the request's
+ids derived from the prompt length and the folder loaded last, so loading other weights changes them,
+the last one EOS when `eos_id` is set), then applies the request's
 sampling parameters the way an engine does:
 cut after the first stop token id / EOS (finish "stop", matched = that id, the id kept in output_ids,
 left out of the text), else cut at max_new_tokens (finish "length"). Logprobs default to
 -(k + 1) / 100 for the k-th output token, so a test can check which logprob went with which id.
+While paused (`/pause_generation`, vLLM's `/pause`), new generations wait for the resume, as in the
+engines. `model_path` and `context_length` are what `/get_model_info`, `/get_server_info` and vLLM's
+`/v1/models` (`root`, `max_model_len`) report; with `model_path` set, a weight update checks the folder
+against it (`gateway.engines.checkpoint`) and refuses one that does not fit, keeping the old weights.
 
 Run standalone (for benchmarks): `python -m gateway.testing --port 30000 --tokens 16`.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -65,17 +71,23 @@ class FakeEngine:
     fail_updates: int = 0  # weight updates to refuse (success: false) before accepting
     update_delay: float = 0.0
     model_name: str = "fake-model"
+    model_path: str | None = None  # reported as the served model's folder
+    context_length: int | None = None  # reported as the engine's context limit
     keep_requests: bool = True  # keep every request body in `requests` (off for benchmarks)
     # observable state
     weight_version: int = 0
     paused: bool = False
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (path, body) of each call
     events: list[str] = field(default_factory=list)  # "generate", "pause", "update:<v>", "resume", in order
+    version_label: str | None = None  # vLLM's own weight version (/update_weight_version)
     in_flight: int = 0
     max_in_flight: int = 0
 
     def __post_init__(self) -> None:
         self.queue: deque[Scripted] = deque(self.script)
+        self.loaded = self.model_path  # the weights folder serving now
+        self._resumed = asyncio.Event()
+        self._resumed.set()
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -94,7 +106,14 @@ class FakeEngine:
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/collective_rpc", self._collective_rpc)
             app.router.add_post("/reset_prefix_cache", self._ok)
+            app.router.add_post("/pause", self._pause)
+            app.router.add_post("/resume", self._continue)
+            app.router.add_post("/update_weight_version", self._update_weight_version)
+            app.router.add_get("/weight_info", self._weight_info)
         else:
+            app.router.add_get("/get_model_info", self._model_info)
+            app.router.add_get("/get_server_info", self._model_info)
+            app.router.add_post("/flush_cache", self._ok)
             app.router.add_post("/generate", self._generate)
             app.router.add_post("/update_weights_from_disk", self._update_weights)
             app.router.add_post("/pause_generation", self._pause)
@@ -113,13 +132,32 @@ class FakeEngine:
             await self._runner.cleanup()
             self._runner = None
 
+    def shift(self) -> int:
+        """How far the default ids move with the weights loaded: 0 for `model_path`'s own."""
+        if self.loaded is None or self.loaded == self.model_path:
+            return 0
+        return 7 * (zlib.crc32(self.loaded.encode()) % 97 + 1)
+
+    def _refusal(self, path: str) -> str | None:
+        """Why the folder cannot be loaded (None: it can, or there is no model_path to check it against)."""
+        if self.model_path is None:
+            return None
+        from gateway.engines.checkpoint import CheckpointInvalid, check_checkpoint, signature
+
+        try:
+            check_checkpoint(path, signature(self.model_path))
+        except CheckpointInvalid as exc:
+            return exc.message
+        return None
+
     # --- the sampling a real engine would do ---
     def _sample(self, input_ids: list[int], params: dict[str, Any]) -> _Result:
         scripted = self.queue.popleft() if self.queue else None
         if scripted is None:  # n ids derived from the prompt length; the last one is EOS when there is one
             base, n = len(input_ids), self.default_tokens - (self.eos_id is not None)
             tail = [self.eos_id] if self.eos_id is not None else []
-            scripted = Scripted([10 + (base + k) % 1000 for k in range(n)] + tail, finish_reason="length")
+            shift = self.shift()
+            scripted = Scripted([10 + (base + k + shift) % 1000 for k in range(n)] + tail, finish_reason="length")
         ids = list(scripted.output_ids)
         lps = list(scripted.logprobs) if scripted.logprobs is not None else [-(k + 1) / 100 for k in range(len(ids))]
         stops = set(params.get("stop_token_ids") or [])
@@ -159,6 +197,7 @@ class FakeEngine:
             return body, web.json_response({"error": {"message": f"scripted failure {status}"}}, status=status)
         if self.latency:
             await asyncio.sleep(self.latency)
+        await self._resumed.wait()
         return body, None
 
     # --- SGLang /generate ---
@@ -218,17 +257,23 @@ class FakeEngine:
         if self.fail_updates > 0:
             self.fail_updates -= 1
             return web.json_response({"success": False, "message": f"cannot load {body.get('model_path')}"}, status=400)
+        refusal = self._refusal(str(body.get("model_path")))
+        if refusal is not None:
+            return web.json_response({"success": False, "message": refusal}, status=400)
+        self.loaded = str(body.get("model_path"))
         self.weight_version = int(body.get("weight_version", self.weight_version + 1))
         self.events.append(f"update:{self.weight_version}")
         return web.json_response({"success": True, "message": "ok"})
 
     async def _pause(self, request: web.Request) -> web.Response:
         self.paused = True
+        self._resumed.clear()
         self.events.append("pause")
         return web.json_response({"success": True})
 
     async def _continue(self, request: web.Request) -> web.Response:
         self.paused = False
+        self._resumed.set()
         self.events.append("resume")
         return web.json_response({"success": True})
 
@@ -238,9 +283,14 @@ class FakeEngine:
     async def _ok(self, request: web.Request) -> web.Response:
         return web.json_response({"success": True})
 
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_path, "context_length": self.context_length,
+                                  "weight_version": str(self.weight_version)})
+
     # --- vLLM /v1/completions ---
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
+        card = {"id": self.model_name, "object": "model", "root": self.model_path, "max_model_len": self.context_length}
+        return web.json_response({"object": "list", "data": [card]})
 
     async def _collective_rpc(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
@@ -248,9 +298,22 @@ class FakeEngine:
         if self.fail_updates > 0:
             self.fail_updates -= 1
             return web.json_response({"error": "reload failed"}, status=500)
-        self.weight_version += 1
+        path = (body.get("kwargs") or {}).get("weights_path")
+        if path is not None and self._refusal(path) is not None:  # vLLM half-loads, then dies
+            return web.json_response({"error": f"reload failed: {self._refusal(path)}"}, status=500)
+        self.loaded = path
+        self.weight_version += 1  # as vLLM's reload_weights: loaded; its label is set apart
         self.events.append(f"update:{self.weight_version}")
         return web.json_response({"results": [None]})
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.requests.append((request.path, body))
+        self.version_label = str(body["new_version"])
+        return web.json_response({"success": True, "new_version": self.version_label})
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.version_label})
 
     def _vllm_choice(self, res: _Result, ids: list[int], lps: list[float], text: str, final: bool) -> dict[str, Any]:
         finish = res.finish["type"] if final else None
@@ -269,6 +332,14 @@ class FakeEngine:
         }
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._complete(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
         body, failure = await self._begin(request)
         if failure is not None:
             return failure

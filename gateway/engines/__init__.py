@@ -5,11 +5,14 @@ Exception tree: see `gateway.engines.base`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import aiohttp
 
 from gateway.engines.base import (
     EngineClient,
     EngineError,
+    EngineInfo,
     EngineRejected,
     EngineTimeout,
     EngineUnavailable,
@@ -24,12 +27,15 @@ from gateway.engines.vllm import VLLMEngine
 ENGINE_KINDS = ("builtin", "sglang", "vllm")
 
 
-def make_engine(url: str, kind: str, http: aiohttp.ClientSession, timeout: float = 600.0) -> EngineClient:
-    """An adapter for the engine at `url`. kind: builtin | sglang (both `/generate`) | vllm."""
+def make_engine(
+    url: str, kind: str, http: aiohttp.ClientSession, timeout: float = 600.0, model_dir: Path | None = None
+) -> EngineClient:
+    """An adapter for the engine at `url`. kind: builtin | sglang (both `/generate`) | vllm.
+    `model_dir` is the served model's folder: vLLM checks pushed checkpoints against its tensors."""
     if kind in ("builtin", "sglang"):
         return SGLangEngine(url, http, timeout, kind=kind)
     if kind == "vllm":
-        return VLLMEngine(url, http, timeout)
+        return VLLMEngine(url, http, timeout, model_dir=model_dir)
     raise ValueError(f"unknown engine kind {kind!r}; expected one of {', '.join(ENGINE_KINDS)}")
 
 
@@ -37,6 +43,7 @@ __all__ = [
     "ENGINE_KINDS",
     "EngineClient",
     "EngineError",
+    "EngineInfo",
     "EngineRejected",
     "EngineRouter",
     "EngineTimeout",

@@ -113,8 +113,11 @@ class Transport:
         except (aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(f"{doing}: engine unreachable ({exc!r})", self.url) from exc
 
-    async def post_json(self, path: str, body: dict[str, Any], timeout: float | None = None) -> Any:
-        """POST and return the decoded JSON answer; raise an EngineError subclass on any failure."""
+    async def post_json(
+        self, path: str, body: dict[str, Any], timeout: float | None = None, expect_json: bool = True
+    ) -> Any:
+        """POST and return the decoded JSON answer (None when not `expect_json`: some control endpoints,
+        e.g. SGLang's /flush_cache, answer plain text); raise an EngineError subclass on any failure."""
         data = dumps(body)
         limit = aiohttp.ClientTimeout(total=timeout) if timeout is not None else self.timeout
 
@@ -124,6 +127,8 @@ class Transport:
 
         with self._translated(f"POST {path}", limit.total):
             status, raw = await self._send(send)
+        if not expect_json and status < 400:
+            return None
         return _decode(status, raw, self.url)
 
     async def get_json(self, path: str) -> Any:

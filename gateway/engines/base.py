@@ -53,6 +53,15 @@ class StreamDelta:
     final: Generation | None = None  # set on the last chunk
 
 
+@dataclass
+class EngineInfo:
+    """What an engine says about itself at start (any field None when it does not say)."""
+
+    model_path: str | None = None  # the model directory (or name) it was started on
+    context_length: int | None = None  # prompt + output tokens it accepts
+    weight_version: str | None = None  # its own weight version label
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """An engine adapter. `input_ids` may also be an int32 numpy array: it is serialised directly,
@@ -65,6 +74,7 @@ class EngineClient(Protocol):
         self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
     ) -> AsyncIterator[StreamDelta]: ...
     async def health(self) -> bool: ...
+    async def info(self) -> EngineInfo: ...
     async def update_weights(self, path: str, version: int) -> None: ...
     async def pause(self) -> None: ...
     async def resume(self) -> None: ...

@@ -5,6 +5,12 @@ answer `{"text", "output_ids", "meta_info": {"finish_reason": {"type", "matched"
 "completion_tokens", "output_token_logprobs": [[logprob, id, text|null], ...], "weight_version"}}`.
 Streams are SSE `data: {...}` events, cumulative by default (each event repeats everything so far);
 with `--incremental-streaming-output` they carry only the new part. Both are accepted.
+
+Weight updates (SGLang's documented endpoints): `/pause_generation {}` (its default mode, `abort`; the
+gateway has drained its own calls first), `/update_weights_from_disk {"model_path", "weight_version"}`
+(SGLang answers `{"success", "message"}`, 400 on failure, and keeps the old weights), `/flush_cache`,
+`/continue_generation {}`. At start the gateway reads `/get_model_info` (`model_path`,
+`weight_version`) and `/get_server_info` (`context_length`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from gateway.engines._http import Transport
-from gateway.engines.base import EngineError, EngineRejected, Generation, SamplingParams, StreamDelta
+from gateway.engines.base import EngineError, EngineInfo, EngineRejected, Generation, SamplingParams, StreamDelta
 
 
 def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
@@ -148,6 +154,26 @@ class SGLangEngine:
     async def health(self) -> bool:
         return await self.transport.get_ok("/health")
 
+    async def info(self) -> EngineInfo:
+        model = await self._optional_get("/get_model_info") or {}
+        server = await self._optional_get("/get_server_info") or {}
+        context = server.get("context_length") or model.get("context_length")
+        version = model.get("weight_version", server.get("weight_version"))
+        return EngineInfo(
+            model_path=str(model.get("model_path") or server.get("model_path") or "") or None,
+            context_length=int(context) if isinstance(context, int) and context > 0 else None,
+            weight_version=None if version is None else str(version),
+        )
+
+    async def _optional_get(self, path: str) -> dict[str, Any] | None:
+        try:
+            answer = await self.transport.get_json(path)
+        except EngineRejected as exc:
+            if exc.upstream_status != 404:
+                raise
+            return None
+        return answer if isinstance(answer, dict) else None
+
     async def pause(self) -> None:
         """Ask the engine to pause (SGLang >= 0.5); engines without the endpoint (404) are fine: the
         gateway has already drained its own in-flight calls."""
@@ -158,7 +184,7 @@ class SGLangEngine:
 
     async def _optional(self, path: str, body: dict[str, Any]) -> None:
         try:
-            await self.transport.post_json(path, body, timeout=30.0)
+            await self.transport.post_json(path, body, timeout=30.0, expect_json=False)
         except EngineRejected as exc:
             if exc.upstream_status != 404:
                 raise
@@ -172,3 +198,4 @@ class SGLangEngine:
         if isinstance(answer, dict) and answer.get("success") is False:
             raise EngineError(f"weight update failed: {answer.get('message', '')}", self.url)
         self.version = version
+        await self._optional("/flush_cache", {})  # SGLang flushes after a load too; this covers older ones

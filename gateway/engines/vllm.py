@@ -7,23 +7,40 @@ the choice carries `token_ids` (the sampled ids, a stop token / EOS included), `
 Logprobs: vLLM V1 returns the raw model's logprobs unless the server runs with
 `--logprobs-mode processed_logprobs` (after temperature / top-p), which is what an RL ratio needs.
 
-Weight updates: vLLM has no stable public HTTP endpoint for this. With `VLLM_SERVER_DEV_MODE=1` the
-server exposes `POST /collective_rpc` (a method called on every worker) and `POST /reset_prefix_cache`.
-The default method, `reload_weights`, re-reads the checkpoint directory the server was started with, so
-the trainer writes the new weights there (`path` must be that directory); a worker extension
-(`--worker-extension-cls`) with a method taking the path (set `update_method`) loads from anywhere.
-Without dev mode, restart the server on the new checkpoint.
+Weight updates need the server's development endpoints (`VLLM_SERVER_DEV_MODE=1`; checked on vLLM 0.32):
+1. the pushed folder is checked first (`gateway.engines.checkpoint`: every tensor's name, shape and
+   dtype from the safetensors headers against the served model's), because vLLM's `reload_weights`
+   loads in place: a broken checkpoint left it half-loaded, and then dead. A model with tied word
+   embeddings is refused too: vLLM 0.32 reloads the embedding but keeps the LM head it started with
+   (its log: "ParallelLMHead: Failed to load weights"), so it would serve a mix of two policies
+   (`stepline make-model --vllm-compatible` builds an untied model);
+2. `POST /pause?mode=abort` (SGLang's default mode too; the gateway has drained its own calls already);
+3. `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}` (the keyword
+   matters: the first positional parameter of `reload_weights` is a weights iterator, and without a
+   path vLLM re-reads the folder it was started from);
+4. `POST /reset_prefix_cache`, `POST /update_weight_version {"new_version": "<version>"}`;
+5. `POST /resume` (the weight gate calls it whether the update worked or not).
+Without dev mode `/collective_rpc` is a 404, answered with an error that says so.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from gateway.engines._http import Transport
-from gateway.engines.base import EngineError, EngineRejected, Generation, SamplingParams, StreamDelta
+from gateway.engines.base import EngineError, EngineInfo, EngineRejected, Generation, SamplingParams, StreamDelta
+from gateway.engines.checkpoint import CheckpointInvalid, Signature, check_checkpoint, signature
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class VLLMEngine:
@@ -33,22 +50,31 @@ class VLLMEngine:
         http: aiohttp.ClientSession,
         timeout: float = 600.0,
         model: str | None = None,
-        update_method: str = "reload_weights",
+        model_dir: Path | str | None = None,
+        pause_mode: str = "abort",
     ) -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
         self.url = url.rstrip("/")
         self.kind = "vllm"
         self.transport = Transport(http, self.url, timeout)
         self.model = model  # the served model name; asked from /v1/models on first use when None
-        self.update_method = update_method
+        self.model_dir = Path(model_dir) if model_dir is not None else None  # the served model's tensors
+        self.pause_mode = pause_mode
         self.version = 0
+        self._expected: Signature | None = None
+        self._tied = False  # the served model ties its LM head to the embedding
+
+    async def _model_card(self) -> dict[str, Any]:
+        data = await self.transport.get_json("/v1/models")
+        try:
+            return dict(data["data"][0])
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EngineError(f"/v1/models lists no model: {data!r:.200}", self.url) from exc
 
     async def _model_name(self) -> str:
         if self.model is None:
-            data = await self.transport.get_json("/v1/models")
-            try:
-                self.model = str(data["data"][0]["id"])
-            except (KeyError, IndexError, TypeError) as exc:
-                raise EngineError(f"/v1/models lists no model: {data!r:.200}", self.url) from exc
+            self.model = str((await self._model_card())["id"])
         return self.model
 
     async def _request(self, input_ids: list[int], sampling: SamplingParams, stream: bool) -> dict[str, Any]:
@@ -133,19 +159,38 @@ class VLLMEngine:
     async def health(self) -> bool:
         return await self.transport.get_ok("/health")
 
+    async def info(self) -> EngineInfo:
+        """/v1/models: `root` (the model path) and `max_model_len`; /weight_info (dev mode) the version."""
+        card = await self._model_card()
+        version = await self._optional_get("/weight_info")
+        return EngineInfo(
+            model_path=str(card.get("root") or card.get("id") or "") or None,
+            context_length=int(card["max_model_len"]) if card.get("max_model_len") else None,
+            weight_version=str(version["weight_version"]) if isinstance(version, dict) else None,
+        )
+
     async def pause(self) -> None:
-        """Nothing to do: the gateway drains its own in-flight calls before updating."""
+        """vLLM's `/pause` (new requests wait in vLLM until `/resume`); a vLLM without it (404) is fine:
+        the gateway has already drained its own in-flight calls."""
+        await self._optional_post(f"/pause?mode={self.pause_mode}", {})
 
     async def resume(self) -> None:
-        """Nothing to do (see pause)."""
+        await self._optional_post("/resume", {})
 
     async def update_weights(self, path: str, version: int) -> None:
-        args = [] if self.update_method == "reload_weights" else [path]
-        timeout = max(self.transport.timeout.total or 0, 600.0)
-        try:
-            await self.transport.post_json(
-                "/collective_rpc", {"method": self.update_method, "args": args}, timeout=timeout
+        """Check the folder, load it with `reload_weights(weights_path=path)`, then set vLLM's version."""
+        expected = await self._expected_signature()
+        if self._tied:
+            raise EngineRejected(
+                "vLLM cannot reload a model with tied word embeddings in place (it keeps the old LM head): "
+                "serve an untied model (stepline make-model --vllm-compatible), or restart vLLM on the checkpoint",
+                self.url,
             )
+        await asyncio.to_thread(check_checkpoint, path, expected)
+        timeout = max(self.transport.timeout.total or 0, 600.0)
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}, "timeout": timeout}
+        try:
+            await self.transport.post_json("/collective_rpc", body, timeout=timeout)
         except EngineRejected as exc:
             if exc.upstream_status == 404:
                 raise EngineError(
@@ -154,9 +199,47 @@ class VLLMEngine:
                     self.url,
                 ) from exc
             raise
-        try:  # cached KV was computed with the old weights
-            await self.transport.post_json("/reset_prefix_cache", {}, timeout=timeout)
+        self.version = version
+        await self._optional_post("/reset_prefix_cache", {})  # cached KV was computed with the old weights
+        await self._optional_post("/update_weight_version", {"new_version": str(version)})
+
+    async def _expected_signature(self) -> Signature:
+        """The served model's tensors: from `model_dir` (the gateway's --model), else from the folder
+        vLLM reports serving, read once."""
+        if self._expected is None:
+            folder = self.model_dir
+            if folder is None:
+                root = (await self._model_card()).get("root")
+                folder = Path(root) if root and Path(root).is_dir() else None
+            if folder is None:
+                raise CheckpointInvalid(
+                    "cannot check the checkpoint: the served model's folder is unknown (give model_dir)", self.url
+                )
+            self._expected = await asyncio.to_thread(signature, folder)
+            self._tied = _ties_embeddings(folder)
+        return self._expected
+
+    async def _optional_post(self, path: str, body: dict[str, Any]) -> None:
+        try:
+            await self.transport.post_json(path, body, timeout=60.0, expect_json=False)
         except EngineRejected as exc:
             if exc.upstream_status != 404:
                 raise
-        self.version = version
+            log.debug("%s has no %s", self.url, path)
+
+    async def _optional_get(self, path: str) -> Any:
+        try:
+            return await self.transport.get_json(path)
+        except EngineRejected as exc:
+            if exc.upstream_status != 404:
+                raise
+            return None
+
+
+def _ties_embeddings(folder: Path) -> bool:
+    """config.json's tie_word_embeddings (the default differs by architecture: unsaid counts as untied)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("tie_word_embeddings", False))

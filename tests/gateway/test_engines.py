@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -164,14 +165,59 @@ async def test_failed_weight_update_raises_with_the_engine_message(http) -> None
         assert (await engine.generate(PROMPT, SamplingParams())).weight_version == 0
 
 
-async def test_vllm_weight_update_uses_collective_rpc(http) -> None:
+@pytest.fixture(scope="module")
+def untied_model_dir(tmp_path_factory) -> Path:
+    from stepline.models import VLLM_SHAPE, build_model
+
+    return build_model(tmp_path_factory.mktemp("vllm-model") / "m", **VLLM_SHAPE)
+
+
+async def test_vllm_weight_update_loads_the_pushed_folder(http, untied_model_dir) -> None:
     fake = FakeEngine(api="vllm")
     async with fake as url:
-        engine = make_engine(url, "vllm", http, timeout=5)
-        await engine.update_weights("/served/dir", 4)
+        engine = make_engine(url, "vllm", http, timeout=5, model_dir=untied_model_dir)
+        await engine.pause()
+        await engine.update_weights(str(untied_model_dir), 4)
+        await engine.resume()
         gen = await engine.generate(PROMPT, SamplingParams())
-    assert ("/collective_rpc", {"method": "reload_weights", "args": []}) in fake.requests
-    assert gen.weight_version == 4
+    # the folder by keyword (reload_weights' first positional parameter is a weights iterator), vLLM's
+    # own version label set, and /pause + /resume around it
+    rpc = next(body for path, body in fake.requests if path == "/collective_rpc")
+    assert (rpc["method"], rpc["kwargs"]) == ("reload_weights", {"weights_path": str(untied_model_dir)})
+    assert ("/update_weight_version", {"new_version": "4"}) in fake.requests
+    assert fake.events == ["pause", "update:1", "resume", "generate"]
+    assert gen.weight_version == 4 and fake.version_label == "4"
+
+
+async def test_vllm_refuses_a_checkpoint_that_does_not_fit_before_vllm_sees_it(http, untied_model_dir, tmp_path) -> None:
+    import shutil
+
+    from stepline.models import build_model
+
+    wider = build_model(tmp_path / "wider", hidden_size=64, num_heads=2, num_kv_heads=1, tie_embeddings=False)
+    truncated = shutil.copytree(untied_model_dir, tmp_path / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    fake = FakeEngine(api="vllm")
+    async with fake as url:
+        engine = make_engine(url, "vllm", http, timeout=5, model_dir=untied_model_dir)
+        with pytest.raises(EngineRejected, match=r"does not fit the served model: .*\[64\] where the served model has"):
+            await engine.update_weights(str(wider), 1)
+        with pytest.raises(EngineRejected, match="unreadable"):
+            await engine.update_weights(str(truncated), 1)
+        with pytest.raises(EngineRejected, match="not a directory"):
+            await engine.update_weights(str(tmp_path / "nowhere"), 1)
+    assert not [path for path, _ in fake.requests if path == "/collective_rpc"]
+
+
+async def test_vllm_refuses_to_reload_a_model_with_tied_embeddings(http, tiny_model_dir) -> None:
+    # vLLM 0.32 reloads the embedding but keeps its old LM head: the pushed policy would not be served
+    fake = FakeEngine(api="vllm")
+    async with fake as url:
+        engine = make_engine(url, "vllm", http, timeout=5, model_dir=tiny_model_dir)
+        with pytest.raises(EngineRejected, match="tied word embeddings"):
+            await engine.update_weights(str(tiny_model_dir), 1)
+    assert not [path for path, _ in fake.requests if path == "/collective_rpc"]
 
 
 def test_unknown_kind_is_refused() -> None:

