@@ -112,6 +112,9 @@ async def list_models(core: Core, request: web.Request) -> web.Response:
 
 
 async def health(core: Core, request: web.Request) -> web.Response:
+    """200 `ok` while some engine is healthy; 503 `degraded` when none is (calls would all fail)."""
     engines = [{"url": url, "healthy": ok} for url, ok in core.router.healthy.items()]
-    body = {"status": "ok", "weight_version": core.gate.version, "engines": engines, "sessions": len(core.sessions)}
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+    up = any(e["healthy"] for e in engines)
+    body = {"status": "ok" if up else "degraded", "weight_version": core.gate.version, "engines": engines,
+            "sessions": len(core.sessions)}
+    return web.Response(body=orjson.dumps(body), status=200 if up else 503, content_type="application/json")

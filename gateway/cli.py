@@ -25,6 +25,7 @@ from aiohttp import web
 
 from datapool.base import Pool
 from gateway.engines import ENGINE_KINDS, EngineRouter, make_engine
+from gateway.engines.probe import EngineMismatch, check_engines
 from gateway.recorder import Recorder
 from gateway.weights import WeightGate
 
@@ -66,10 +67,16 @@ async def running_gateway(
     connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=max_connections)
     headers = {"Authorization": f"Bearer {engine_token}"} if engine_token else None
     async with aiohttp.ClientSession(connector=connector, headers=headers) as http:
-        router = EngineRouter([make_engine(u, engine_kind, http, engine_timeout) for u in engine_urls])
+        router = EngineRouter([make_engine(u, engine_kind, http, engine_timeout, model_dir) for u in engine_urls])
         recorder = Recorder(pool)
         gate = WeightGate(router, max_wait=settings.max_wait_paused, initial_version=initial_version)
         await router.start()
+        try:  # the engines' model and context length against model_dir (gateway.engines.probe)
+            limit = await check_engines(router.clients, model_dir, settings.context_length)
+        except BaseException:
+            await router.aclose()
+            raise
+        settings = settings.model_copy(update={"context_length": limit})
         await recorder.start()
         app = create_app(settings, router, recorder, gate, model_dir)
         # handler_cancellation: a client that hangs up cancels its handler, and with it the engine request
@@ -124,7 +131,8 @@ async def running_gateway(
     "--context-length",
     default=None,
     type=click.IntRange(min=1),
-    help="Prompt + output token limit (default: the model's max_position_embeddings).",
+    help="Prompt + output token limit (default: the model's max_position_embeddings; "
+    "lowered to an engine's own limit, asked at start).",
 )
 @click.option(
     "--strict-template", is_flag=True, help="Render every turn with the template (fork where it rewrites history)."
@@ -175,6 +183,8 @@ def gateway_command(
     try:
         asyncio.run(_serve(settings, list(engines), engine_kind, model_dir, pool, engine_timeout, initial_version,
                            engine_token))
+    except EngineMismatch as exc:
+        raise click.ClickException(str(exc)) from exc
     except OSError as exc:
         raise click.ClickException(f"cannot serve on {host}:{port}: {exc}") from exc
     finally:
