@@ -108,6 +108,10 @@ class PoolClient:
         self._write()
         self._call("end_session", session_id=session_id, status=status)
 
+    def abandon_idle(self, idle_seconds: float) -> int:
+        self._write()
+        return int(self._call("abandon_idle", idle_seconds=idle_seconds))
+
     # --- reads ---
     def get_session(self, session_id: str) -> SessionInfo:
         return wire.decode_session(self._call("get_session", session_id=session_id))

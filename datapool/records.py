@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-SessionStatus = Literal["open", "completed", "failed", "aborted"]
+SessionStatus = Literal["open", "completed", "failed", "aborted", "abandoned"]
 NodeKind = Literal["obs", "act"]
 LeafRule = Literal["all", "drop_superseded", "main"]
 

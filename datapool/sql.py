@@ -314,6 +314,15 @@ class SqlPool:
             self._x(cur, "UPDATE sessions SET status = ?, ended_at = COALESCE(ended_at, ?) WHERE sid = ?",
                     (status, time.time(), sid))
 
+    def abandon_idle(self, idle_seconds: float) -> int:
+        """End as `abandoned` every open session created more than idle_seconds ago (the gateway's
+        reaper; a gateway that was killed left them open, unreachable). Returns how many."""
+        self._writable()
+        with self._transaction(write=True) as cur:
+            now = time.time()
+            return int(self._x(cur, "UPDATE sessions SET status = 'abandoned', ended_at = ?"
+                               " WHERE status = 'open' AND created_at < ?", (now, now - idle_seconds)).rowcount)
+
     # --- reads ---
 
     def get_session(self, session_id: str) -> SessionInfo:
@@ -396,8 +405,8 @@ class SqlPool:
         group_size: int | None = None,
         leaf_rule: LeafRule = "drop_superseded",
     ) -> list[Group]:
-        """See `datapool.base.Pool.claim_groups`. A session that failed or aborted without a terminal
-        reward is left out of groups (it would otherwise block its key forever)."""
+        """See `datapool.base.Pool.claim_groups`. A session that failed, aborted or was abandoned without a
+        terminal reward is left out of groups (it would otherwise block its key forever)."""
         self._writable(claims=True)
         if leaf_rule not in LEAF_RULES:
             raise InvalidRecord(f"unknown leaf rule {leaf_rule!r}; expected one of {LEAF_RULES}")
@@ -472,12 +481,12 @@ class SqlPool:
         return str(row[1])
 
 
-# A session is ready when it ended and has a terminal reward; failed/aborted ones without a reward
-# are left out. A key is ready when all its unclaimed, not-left-out sessions are ready.
+# A session is ready when it ended and has a terminal reward; failed/aborted/abandoned ones without a
+# reward are left out. A key is ready when all its unclaimed, not-left-out sessions are ready.
 _READY = "status <> 'open' AND has_terminal = 1"
 _READY_KEYS = f"""
 SELECT group_key, MIN(min_version) FROM sessions
-WHERE claim IS NULL AND NOT (status IN ('failed', 'aborted') AND has_terminal = 0)
+WHERE claim IS NULL AND NOT (status IN ('failed', 'aborted', 'abandoned') AND has_terminal = 0)
 GROUP BY group_key
 HAVING SUM(CASE WHEN {_READY} THEN 0 ELSE 1 END) = 0 AND COUNT(*) >= ?
 ORDER BY MIN(sid)

@@ -10,8 +10,8 @@ from datapool.base import InvalidRecord
 from datapool.records import CallRecord, Reward, SessionInfo
 
 INT32_MAX = 2**31 - 1
-SESSION_STATUSES = ("open", "completed", "failed", "aborted")
-END_STATUSES = ("completed", "failed", "aborted")
+SESSION_STATUSES = ("open", "completed", "failed", "aborted", "abandoned")
+END_STATUSES = ("completed", "failed", "aborted", "abandoned")  # abandoned: ended by the idle reaper
 
 
 def token_ids(values: object, what: str) -> np.ndarray:

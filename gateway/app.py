@@ -11,14 +11,15 @@ Model APIs are served under `/v1/...` (attribution by session key or X-Session-I
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import orjson
 from aiohttp import web
 
-from gateway import metrics
+from gateway import metrics, reaper
 from gateway.admin import admin_routes
 from gateway.config import GatewaySettings
 from gateway.engines import EngineRouter
@@ -91,6 +92,7 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
     core = Core(settings, router, recorder, gate, template, sessions)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
     app[CORE_KEY] = core
+    app.cleanup_ctx.append(_reaping(core))
     for prefix in ("/v1", "/s/{session}/v1"):
         for path, (_, handler) in MODEL_APIS.items():
             app.router.add_post(f"{prefix}/{path}", _model_route(core, handler))
@@ -101,6 +103,16 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
     app.router.add_routes(admin_routes(gate, settings.admin_token))
     app.router.add_routes(metrics_routes(router))
     return app
+
+
+def _reaping(core: Core) -> Callable[[web.Application], AsyncIterator[None]]:
+    """The idle-session reaper (gateway.reaper) runs while the app does."""
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(reaper.run(core))
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return ctx
 
 
 async def list_models(core: Core, request: web.Request) -> web.Response:

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Item:
-    kind: str  # "call" | "session" | "reward" | "end" | "flush"
+    kind: str  # "call" | "session" | "reward" | "end" | "abandon" | "flush"
     payload: Any
     done: Future[None] | None = None  # set when the pool has committed it (not for calls)
     compress: bool = False  # a call whose request/response are still raw JSON: zstd them in the worker
@@ -115,6 +115,11 @@ class Recorder:
 
     async def end_session(self, session_id: str, status: str) -> None:
         await self._submit("end", (session_id, status))
+
+    async def abandon_idle(self, idle_seconds: float) -> None:
+        """End as abandoned the pool's open sessions older than idle_seconds (ordered after every
+        record queued before, so none of their calls is still on its way)."""
+        await self._submit("abandon", idle_seconds)
 
     async def flush(self) -> None:
         """Wait until every record queued before this call is in the pool."""
@@ -216,6 +221,8 @@ class Recorder:
                 self.pool.add_reward(head.payload)
             elif head.kind == "end":
                 self.pool.end_session(*head.payload)
+            elif head.kind == "abandon":
+                self.pool.abandon_idle(head.payload)
         except PoolError as exc:  # refused: the waiting caller gets the error
             self._pop(1)
             _resolve(head.done, exc)

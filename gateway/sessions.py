@@ -28,6 +28,7 @@ class Session:
     texts: TextMemory  # the Completions API's raw-text prompts
     next_call: int = 0  # call indices are taken when a call's record is made: no gaps for failed calls
     ended: bool = False
+    last_active: float = field(default_factory=time.monotonic)  # its latest call (or its creation)
     responses: dict[str, list] = field(default_factory=dict)  # Responses API: response id -> its conversation
 
     def take_call_index(self) -> int:
@@ -68,6 +69,7 @@ class SessionStore:
 
     def touch(self, session: Session) -> None:
         """A call of this session: keep its token memory, dropping the least recently used past max_live."""
+        session.last_active = time.monotonic()
         self._live[session.info.session_id] = session
         self._live.move_to_end(session.info.session_id)
         while len(self._live) > self.max_live:
@@ -89,6 +91,11 @@ class SessionStore:
         session.ended = True
         self._live.pop(session.info.session_id, None)
         self._forget_tokens(session)
+
+    def idle(self, seconds: float) -> list[Session]:
+        """Open sessions without a call for more than `seconds` (the reaper ends them as abandoned)."""
+        cutoff = time.monotonic() - seconds
+        return [s for s in self._by_id.values() if not s.ended and s.last_active < cutoff]
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -1,0 +1,55 @@
+"""The idle-session reaper: no session can block its group forever.
+
+A session nobody ends (its harness crashed, or the gateway serving it was killed) would stay `open`,
+and an open member keeps its whole group from being claimed. So:
+
+- at start, the pool's open sessions created more than `session_idle_timeout` s ago end as
+  `abandoned` (those a killed gateway left behind: nothing can reach them any more; with several
+  gateways on one pool, keep the timeout above the longest episode);
+- every min(timeout / 4, 300) s, sessions of this gateway without a call for `session_idle_timeout` s
+  end as `abandoned` (through the recorder, after their queued calls; a later call gets 409).
+
+An abandoned session with a terminal reward still trains with its group; one without is left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from datapool.base import PoolError
+from gateway.frontends.core import Core
+
+log = logging.getLogger(__name__)
+
+
+async def reap_once(core: Core) -> int:
+    """One sweep of this gateway's sessions; returns how many it ended."""
+    timeout = core.settings.session_idle_timeout
+    idle = core.sessions.idle(timeout)
+    for session in idle:
+        core.sessions.end(session)
+        try:
+            await core.recorder.end_session(session.info.session_id, "abandoned")
+        except PoolError as exc:  # e.g. it was ended meanwhile by another route: logged, the sweep goes on
+            log.warning("abandoning %s: %s", session.info.session_id, exc)
+        core.router.forget(session.info.session_id)
+    if idle:
+        log.info("abandoned %d sessions idle for more than %g s", len(idle), timeout)
+    return len(idle)
+
+
+async def run(core: Core) -> None:
+    """The pool's orphans at start, then this gateway's idle sessions periodically, until cancelled."""
+    timeout = core.settings.session_idle_timeout
+    try:
+        await core.recorder.abandon_idle(timeout)
+    except PoolError as exc:  # a read-only pool, say: nothing to sweep
+        log.warning("abandoning the pool's orphaned sessions: %s", exc)
+    interval = min(timeout / 4, 300.0)
+    while True:
+        try:
+            await reap_once(core)
+        except Exception:  # noqa: BLE001 - the pool is down: the recorder retries; sweep again later
+            log.exception("idle-session sweep failed")
+        await asyncio.sleep(interval)

@@ -1,0 +1,66 @@
+"""No session blocks its group forever (issue 12's finding 4): idle sessions end as `abandoned`, those a
+killed gateway left open included, and their group becomes claimable."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from gateway_helpers import fake_engine, serve, tokenizer
+
+from datapool import open_pool
+from datapool.records import CallRecord, Reward, SessionInfo
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _episode(pool, sid: str, created: float, reward: float | None, end: str | None, task: str = "task") -> None:
+    pool.create_session(SessionInfo(sid, task, "h", created_at=created))
+    pool.add_calls([CallRecord(sid, 0, np.array([1, 2], np.int32), np.array([3], np.int32),
+                               np.array([-0.5], np.float32), 0)])
+    if reward is not None:
+        pool.add_reward(Reward(sid, reward))
+    if end is not None:
+        pool.end_session(sid, end)
+
+
+def test_an_orphaned_open_session_no_longer_blocks_its_group(tmp_path: Path) -> None:
+    pool = open_pool(f"sqlite:///{tmp_path / 'p.db'}")
+    try:
+        now = time.time()
+        _episode(pool, "done-1", now - 5000, 1.0, "completed")
+        _episode(pool, "done-2", now - 5000, 0.0, "completed")
+        _episode(pool, "orphan", now - 5000, None, None)  # its gateway was killed: open forever
+        _episode(pool, "young", now, None, None, task="other")  # another group, still running
+        assert pool.claim_groups("t", 0, 10) == []
+        assert pool.abandon_idle(3600) == 1
+        assert pool.get_session("orphan").status == "abandoned"
+        assert pool.get_session("young").status == "open"
+        (group,) = pool.claim_groups("t", 0, 10)
+        assert sorted(e.info.session_id for e in group.episodes) == ["done-1", "done-2"]  # no reward: left out
+    finally:
+        pool.close()
+
+
+async def test_the_gateway_abandons_its_idle_sessions_and_the_orphans_of_a_killed_one(
+        qwen3_model_dir: Path, tmp_path: Path) -> None:
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
+    _episode(pool, "orphan", time.time() - 5000, 1.0, None)  # left open by a gateway killed with -9
+    pool.close()
+    engine = fake_engine(tokenizer(qwen3_model_dir), [])
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path, session_idle_timeout=1.0) as served:
+        s = await served.session()
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {s['api_key']}"}) as c:
+            assert (await c.post(f"{s['openai_base_url']}/chat/completions", json=CHAT)).status_code == 200
+            for _ in range(200):  # the reaper sweeps every 0.25 s here; a bound, not a measurement
+                if served.pool.get_session(s["session_id"]).status != "open":
+                    break
+                await asyncio.sleep(0.05)
+            assert served.pool.get_session(s["session_id"]).status == "abandoned"
+            late = await c.post(f"{s['openai_base_url']}/chat/completions", json=CHAT)
+            assert late.status_code == 409  # ended: a later call is refused, not half-recorded
+        assert served.pool.get_session("orphan").status == "abandoned"
+        assert len(served.calls(s["session_id"])) == 1
