@@ -3,6 +3,7 @@ and the gateway keeps serving; a schema fuzz test finds no 500."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,7 +167,11 @@ BODIES = {
 }
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+# STEPLINE_FUZZ_EXAMPLES=2000 for the long run (README, Hardening)
+FUZZ_EXAMPLES = int(os.environ.get("STEPLINE_FUZZ_EXAMPLES", "200"))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(path=st.sampled_from(sorted(BODIES)), data=st.data())
 def test_fuzz_model_apis_never_500(gw: ServedInThread, session: dict, path: str, data: st.DataObject) -> None:
     body = data.draw(BODIES[path] | JSON)
@@ -176,7 +181,8 @@ def test_fuzz_model_apis_never_500(gw: ServedInThread, session: dict, path: str,
         (anthropic_error if path == "messages" else openai_error)(r, r.status_code)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=max(40, FUZZ_EXAMPLES // 5), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(which=st.sampled_from(["/sessions", "reward", "end"]), body=JSON | st.fixed_dictionaries({}, optional={
     "task_id": st.text(max_size=5) | JSON, "harness": st.text(max_size=5) | JSON, "value": st.floats(allow_nan=False, allow_infinity=False) | JSON,
     "step": st.integers(-2, 3) | JSON, "status": st.sampled_from(["completed", "failed", "x"]) | JSON}))
