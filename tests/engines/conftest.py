@@ -81,7 +81,7 @@ def builtin_url(contract_models) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped once the contract module is done (~2 GB of RSS)
 def vllm_url(contract_models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if os.environ.get("STEPLINE_VLLM_URL"):
         yield os.environ["STEPLINE_VLLM_URL"].rstrip("/")
