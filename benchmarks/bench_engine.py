@@ -1,7 +1,7 @@
 """Built-in engine speed: tokens/s at concurrency 1, 8 and 32, or episodes/s of multi-turn agent episodes.
 
     .venv/bin/python benchmarks/bench_engine.py [--model DIR] [--tokens 64] [--seconds 8] [--threads 1]
-        [--dtype bfloat16] [--baseline-src DIR]
+        [--dtype bfloat16] [--baseline-src DIR] [--engine URL --engine-kind vllm]
     .venv/bin/python benchmarks/bench_engine.py --episodes --model models/smollm2 [--concurrent 8] [--turns 4]
         [--baseline-src DIR] [--repeats 1]
 
@@ -12,6 +12,9 @@ Throughput (default): `c` clients each send requests back to back for `--seconds
 temperature 1, ignore_eos, `--tokens` new tokens each, a 32-token prompt); tokens/s = tokens of all
 requests / time until the last one finished, side by side with the ratio to concurrency 1. Target:
 the 8-client figure is at least 4x the 1-client one (continuous batching, not serialisation).
+`--engine URL --engine-kind K` also measures a running engine (vLLM, SGLang) on the same model, the
+same way, both through the gateway's own adapters (`gateway.engines.make_engine`, a 32-token id prompt
+each), and prints the two side by side: when to switch.
 
 Episodes (`--episodes`): `--concurrent` search-agent-shaped episodes at once, each `--turns` turns:
 the first prompt is the chat template's system prompt with two search tools plus a question
@@ -115,7 +118,53 @@ async def measure(url: str, concurrency: int, seconds: float, tokens: int, vocab
         return sum(counts) / (time.perf_counter() - start)
 
 
+async def adapter_client(engine, worker: int, deadline: float, tokens: int, vocab: int) -> int:
+    from gateway.engines import SamplingParams
+
+    generated, r = 0, 0
+    while time.perf_counter() < deadline:
+        r += 1
+        prompt = [(worker * 97 + r * 13 + i) % (vocab - 10) + 10 for i in range(32)]
+        sampling = SamplingParams(max_new_tokens=tokens, temperature=1.0, ignore_eos=True, seed=worker * 1000 + r)
+        generated += len((await engine.generate(prompt, sampling)).output_ids)
+    return generated
+
+
+async def measure_adapter(url: str, kind: str, concurrency: int, seconds: float, tokens: int, vocab: int) -> float:
+    import aiohttp
+
+    from gateway.engines import make_engine
+
+    async with aiohttp.ClientSession() as http:
+        engine = make_engine(url, kind, http, timeout=600)
+        await adapter_client(engine, 0, time.perf_counter() + 0.5, 8, vocab)  # warm up
+        start = time.perf_counter()
+        counts = await asyncio.gather(
+            *(adapter_client(engine, w, start + seconds, tokens, vocab) for w in range(concurrency)))
+        return sum(counts) / (time.perf_counter() - start)
+
+
+def side_by_side(model: Path, name: str, args: argparse.Namespace) -> None:
+    """The built-in engine (its own process) and the running engine at --engine, through the adapters."""
+    from transformers import AutoTokenizer
+
+    vocab = min(len(AutoTokenizer.from_pretrained(model)), 3000)
+    with Engine(model, args.threads, [] if args.dtype is None else ["--dtype", args.dtype]) as url:
+        builtin = {c: asyncio.run(measure_adapter(url, "builtin", c, args.seconds, args.tokens, vocab))
+                   for c in CONCURRENCY}
+    other = {c: asyncio.run(measure_adapter(args.engine, args.engine_kind, c, args.seconds, args.tokens, vocab))
+             for c in CONCURRENCY}
+    print(f"{name}, {args.tokens} new tokens/request, {args.seconds:.0f} s per level; built-in engine with "
+          f"{args.threads} torch thread(s), dtype {args.dtype or 'float32'}; {args.engine_kind} at {args.engine}")
+    print(f"{'concurrency':>12} {'built-in tok/s':>15} {args.engine_kind + ' tok/s':>15} {'ratio':>7}")
+    for c in CONCURRENCY:
+        print(f"{c:>12} {builtin[c]:>15.1f} {other[c]:>15.1f} {other[c] / builtin[c]:>6.2f}x")
+
+
 def throughput(model: Path, name: str, args: argparse.Namespace) -> None:
+    if args.engine is not None:
+        side_by_side(model, name, args)
+        return
     flags = [] if args.dtype is None else ["--dtype", args.dtype]
     if args.baseline_src is not None:
         name += f", engine of {args.baseline_src}"
@@ -334,7 +383,13 @@ def main() -> None:
     parser.add_argument("--baseline-src", type=Path, default=None,
                         help="episodes: also run the engine of this checkout (its stepline/), first; "
                              "throughput: run only that engine")
+    parser.add_argument("--engine", default=None,
+                        help="throughput: also measure this running engine (serving --model) side by side")
+    parser.add_argument("--engine-kind", choices=["builtin", "sglang", "vllm"], default="vllm",
+                        help="the wire format of --engine")
     args = parser.parse_args()
+    if args.engine is not None and args.model is None:
+        parser.error("--engine needs --model: the folder that engine serves")
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
