@@ -52,7 +52,8 @@ class ServicesSection(_Section):
     engine_url: str | None = Field(None, description="use this running engine instead of the built-in one")
     engine_kind: Literal["builtin", "sglang", "vllm"] = Field("builtin", description="adapter for engine_url")
     startup_timeout_s: float = Field(180.0, gt=0, description="seconds each service may take to become healthy")
-    engine_dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights of the built-in engine")
+    engine_dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        "float32", description="weights of the built-in engine; auto: bfloat16 where this CPU has bf16 units")
     engine_threads: int | None = Field(None, ge=1, description="torch threads of the built-in engine (None: torch's)")
     prefix_cache_mb: float = Field(1024.0, ge=0, description="built-in engine's prefix cache bound (0: off)")
 

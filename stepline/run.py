@@ -171,7 +171,14 @@ def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[
 
 def engine_argv(svc: ServicesSection, policy: Path, url: str) -> list[str]:
     """`stepline engine` arguments of the built-in engine the job starts."""
-    argv = ["engine", "--model", str(policy), "--port", url.rsplit(":", 1)[1], "--dtype", svc.engine_dtype,
+    import torch
+
+    from trainer.precision import fast_bf16
+
+    dtype = svc.engine_dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if fast_bf16(torch.device("cpu")) else "float32"
+    argv = ["engine", "--model", str(policy), "--port", url.rsplit(":", 1)[1], "--dtype", dtype,
             "--prefix-cache-mb", str(svc.prefix_cache_mb)]
     return argv + (["--threads", str(svc.engine_threads)] if svc.engine_threads else [])
 

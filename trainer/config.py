@@ -34,8 +34,10 @@ class TrainerConfig(BaseModel):
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="HF attention for the tree mask")
 
     # --- what trains, and how fast (see trainer/trainable.py) ---
-    autocast_bf16: bool = Field(False, description="forward and backward under bf16 autocast (CPU or GPU); weights, "
-                                                   "gradients and AdamW state stay fp32 (needs dtype float32)")
+    autocast_bf16: bool | Literal["auto"] = Field(
+        False, description="forward and backward under bf16 autocast (CPU or GPU); weights, gradients and AdamW state "
+                           "stay fp32 (needs dtype float32); \"auto\": only where bf16 is fast (a CPU with "
+                           "AVX512-BF16 or AMX, a bf16 GPU; see trainer/precision.py)")
     train_layers: int | None = Field(None, ge=1, description="train only the top k transformer layers and the final "
                                      "norm; the embedding and the LM head (one tied matrix in tiny and SmolLM2) and "
                                      "all lower layers stay frozen (None: train everything; with LoRA: adapters in "

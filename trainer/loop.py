@@ -28,6 +28,7 @@ from trainer.config import TrainerConfig
 from trainer.critic import ValueHead
 from trainer.memory import keep_freed_memory
 from trainer.metrics import MetricsLog, progress_bar
+from trainer.precision import resolve_bf16
 from trainer.trainable import add_lora, freeze_below_top
 from trainer.update import Objective, Policy, update
 from trainer.weight_sync import WeightSync, save_weights
@@ -121,7 +122,7 @@ def build_policy(cfg: TrainerConfig) -> Policy:
     name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[cfg.schedule]
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=steps)
     return Policy(model=model, optimizer=optimizer, scheduler=scheduler, value_head=value_head, reference=reference,
-                  autocast_bf16=cfg.autocast_bf16)
+                  autocast_bf16=resolve_bf16(cfg.autocast_bf16, device))
 
 
 def select_trainable(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
