@@ -150,6 +150,9 @@ Ctrl-C stops everything (the gateway flushes its records to the pool first).
     help="Where the pool database and the logs go.",
 )
 @click.option("--admin-token", default=None, help="Admin token (default: a fresh random one, printed).")
+@click.option("--context-length", default=None, type=click.IntRange(min=1),
+              help="Prompt + output token limit of the built-in engine and the gateway (default: the model's; "
+                   "the gateway lowers it to the engine's own limit).")
 @click.option("--startup-timeout", default=180.0, show_default=True, help="Seconds each service may take to start.")
 def up_command(
     model_dir: Path,
@@ -160,6 +163,7 @@ def up_command(
     serve_pool: bool,
     state_dir: Path,
     admin_token: str | None,
+    context_length: int | None,
     startup_timeout: float,
 ) -> None:
     """Start engine, pool and gateway together and print how to point an agent at them."""
@@ -168,12 +172,15 @@ def up_command(
     admin_token = admin_token or secrets.token_urlsafe(16)
     pool_tokens = {f"STEPLINE_POOL_{right}_TOKEN": secrets.token_urlsafe(24) for right in ("READ", "WRITE", "CLAIM")}
     children: list[Child] = []
+    limit = ["--context-length", str(context_length)] if context_length else []
     try:
         if engine_url is None:
             engine_url, engine_kind = f"http://127.0.0.1:{free_port()}", "builtin"
-            children.append(
-                start("engine", ["engine", "--model", str(model_dir), "--port", engine_url.rsplit(":", 1)[1]], logs)
-            )
+            children.append(start(
+                "engine", ["engine", "--model", str(model_dir), "--port", engine_url.rsplit(":", 1)[1], *limit], logs
+            ))
+        # the gateway asks the engine its model and context length when it starts: the engine answers first
+        wait_healthy(children[0] if children else None, engine_url, startup_timeout)
         database = f"sqlite:///{(state_dir / 'pool.db').resolve()}"
         if pool_url is None and serve_pool:
             pool_url = f"http://127.0.0.1:{free_port()}"
@@ -198,6 +205,7 @@ def up_command(
                     pool_url,
                     "--port",
                     gateway_url.rsplit(":", 1)[1],
+                    *limit,
                 ],
                 logs,
                 {"STEPLINE_ADMIN_TOKEN": admin_token, "STEPLINE_POOL_TOKEN": pool_tokens["STEPLINE_POOL_WRITE_TOKEN"]},

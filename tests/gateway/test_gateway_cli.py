@@ -74,6 +74,7 @@ def test_gateway_reports_a_busy_port_and_a_bad_pool(tiny_model_dir: Path, tmp_pa
 def test_up_options() -> None:
     result = CliRunner().invoke(main, ["up", "--help"])
     assert result.exit_code == 0 and "--model" in result.output and "--serve-pool" in result.output
+    assert "--context-length" in result.output
 
 
 async def wait_health(url: str, proc, timeout: float = 60) -> None:
