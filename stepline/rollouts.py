@@ -55,6 +55,10 @@ class BackgroundRollouts:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def running(self) -> bool:
+        """True from start() until the driver has delivered its last batch (or failed, or was stopped)."""
+        return self._thread.is_alive()
+
     def summary(self) -> dict[str, dict[str, float]]:
         return self.driver.summary() if self.driver else {}
 

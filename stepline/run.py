@@ -92,7 +92,7 @@ def trainer_configs(cfg: JobConfig, run: RunDir, base: Path):
     tables = {
         "sft.trainer": {"seed": cfg.seed, "progress": False, **cfg.sft.trainer, "mode": "sft", "model_dir": base,
                         "output_dir": run.sft / "train"},
-        "trainer": {"seed": cfg.seed, "checkpoint_every": 1, "idle_timeout": 120.0, **cfg.trainer, "mode": "rl",
+        "trainer": {"seed": cfg.seed, "checkpoint_every": 1, "idle_timeout": 10.0, **cfg.trainer, "mode": "rl",
                     "progress": False, "model_dir": base, "output_dir": run.rl,
                     "max_updates": max(cfg.rl_updates, 1), "group_size": cfg.rollout.group_size},
     }
@@ -218,7 +218,7 @@ def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> None:
     try:
         with RLProgress(run.rl / "metrics.jsonl", rollouts, cfg.rl_updates):
             rollouts.start()
-            train(tcfg, pool, sync)
+            train(tcfg, pool, sync, producing=rollouts.running)  # a slow first batch is no reason to stop
         if rollouts.error is not None:
             raise click.ClickException(f"the rollout driver failed: {rollouts.error!r}")
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +37,11 @@ from trainer.weight_sync import WeightSync, save_weights
 __all__ = ["build_policy", "select_trainable", "train"]
 
 
-def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = False) -> TrainerState:
-    """Train until `max_updates`, or until the pool stays empty for `idle_timeout` (`offline`: at once)."""
+def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = False,
+          producing: Callable[[], bool] | None = None) -> TrainerState:
+    """Train until `max_updates`, or until the pool stays empty for `idle_timeout` (`offline`: at once).
+    `producing`, where the caller runs the rollouts itself: while it answers True the loop waits for data
+    however long a batch takes, and `idle_timeout` counts from when it turns False."""
     seed_everything(cfg.seed)
     policy = build_policy(cfg)
     state = resume(cfg.output_dir / "checkpoints", policy, pool, cfg.consumer)
@@ -56,6 +60,8 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
                 idle_since = time.monotonic()
                 pending += groups
                 trainable += sum(keep(g) is None for g in groups)
+            if producing is not None and producing():
+                idle_since = time.monotonic()
             idle = idle_too_long(idle_since, cfg.idle_timeout)
             full = offline or not cfg.full_batches or trainable >= cfg.groups_per_update or idle
             if not (pending and full):

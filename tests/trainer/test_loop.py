@@ -103,3 +103,31 @@ def test_online_updates_wait_for_a_full_batch(tiny_model_dir: Path, tmp_path: Pa
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["groups"] == 3 and first["episodes"] == 12
     pool.close()
+
+
+def test_a_slow_producer_is_waited_for_while_it_runs(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # The job's own rollouts may take longer than idle_timeout for their first batch (a slow CPU): while
+    # `producing` answers True the trainer keeps waiting; once it answers False idle_timeout ends the loop.
+    import threading
+    import time
+
+    from trainer.weight_sync import NoWeightSync
+    from trainer_helpers import rollout
+
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}?synchronous=normal")
+    model = SamplerSync(tiny_model_dir, pool, None).model
+    target = toy_target(model, vocab=3000, size=750)
+
+    def arrive() -> None:
+        time.sleep(1.5)  # longer than idle_timeout
+        rollout(model, pool, 0, target, tasks=2, samples=4, tag="late-")
+
+    producer = threading.Thread(target=arrive)
+    producer.start()
+    cfg = TrainerConfig(model_dir=tiny_model_dir, output_dir=tmp_path / "run", groups_per_update=2, max_updates=3,
+                        dynamic_sampling=False, poll_interval=0.05, idle_timeout=0.3, progress=False,
+                        tensorboard=False)
+    state = train(cfg, pool, NoWeightSync(), producing=producer.is_alive)
+    producer.join()
+    assert state.update == 1  # the late batch trained; then the producer was done and the pool stayed empty
+    pool.close()
