@@ -29,9 +29,17 @@ def segment_count(seg: Tensor, num: int, weight: Tensor | None = None) -> Tensor
 
 
 def segment_mean(x: Tensor, seg: Tensor, num: int, mask: Tensor | None = None) -> Tensor:
-    """Masked mean of x [M] per segment, [num]; an empty (fully masked) segment gives 0, not NaN."""
-    w = torch.ones_like(x) if mask is None else mask.to(x.dtype)
-    total = segment_sum(x * w, seg, num)
+    """Masked mean of x [M] per segment, [num]; an empty (fully masked) segment gives 0, not NaN.
+
+    Masked entries are selected away (torch.where), not multiplied by 0: a NaN or inf under a False mask
+    (a padded or stale token) must not reach the segment's mean, nor its gradient.
+    """
+    if mask is None:
+        w = torch.ones_like(x)
+    else:
+        w = mask.to(x.dtype)  # 0/1, or weights
+        x = torch.where(w != 0, x * w, torch.zeros_like(x))
+    total = segment_sum(x, seg, num)
     count = segment_sum(w, seg, num)
     return total / count.clamp(min=1e-12) * (count > 0).to(x.dtype)
 

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from trainer.algorithms._segments import segment_mean
 
 LOG_RATIO_LIMIT = 20.0  # keeps exp() finite; far beyond any cap
+K3_LIMIT = 10.0  # verl's low_var_kl clamps k3 to [-10, 10]; outside, the term is constant (no gradient)
 
 
 @torch.no_grad()
@@ -35,9 +36,11 @@ def truncated_is_weights(
     per token:   w_t = min( exp(log π(t) − log μ(t)), C )
     per segment: w_t = min( exp( mean_{u∈seg(t)} (log π(u) − log μ(u)) ), C )   (segment_ids = step_ids)
     target_logp [N] (e.g. the trainer's logprobs before the update), behaviour_logp [N] (the engine's
-    recorded ones) -> weights [N], no gradient; multiply the per-token loss by them.
+    recorded ones) -> weights [N], no gradient; multiply the per-token loss by them. The weights keep the
+    inputs' dtype (float64 stays float64); bf16/fp16 inputs are computed and returned in float32.
     """
-    log_w = (target_logp - behaviour_logp).float().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    dtype = torch.promote_types(torch.promote_types(target_logp.dtype, behaviour_logp.dtype), torch.float32)
+    log_w = (target_logp.to(dtype) - behaviour_logp.to(dtype)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     if segment_ids is not None and log_w.numel():
         log_w = segment_mean(log_w, segment_ids, int(segment_ids.max()) + 1, mask)[segment_ids]
     return log_w.exp().clamp(max=cap)
@@ -87,9 +90,13 @@ def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k3 = (r − 1) − log r: unbiased, low variance, ≥ 0 (GRPO's KL term). [N] -> [N]."""
+    """k3 = clamp( (r − 1) − log r, −10, 10 ): unbiased, low variance, ≥ 0 (GRPO's KL term). [N] -> [N].
+
+    Clamped like verl's `low_var_kl`: a token far from the reference (log r > ~2.5, where k3 grows like
+    e^{log r}) contributes at most 10 and no gradient, instead of 16.1 at log r = 3 or 3.3e6 at 15.
+    """
     log_r = (ref_logp.detach() - logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    return torch.expm1(log_r) - log_r
+    return (torch.expm1(log_r) - log_r).clamp(-K3_LIMIT, K3_LIMIT)
 
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}

@@ -52,8 +52,8 @@ def masked_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
     """Σ mask·x / Σ mask (0 when nothing is selected), scalar."""
     if mask is None:
         return x.mean() if x.numel() else x.sum()
-    w = mask.to(x.dtype)
-    return (x * w).sum() / w.sum().clamp(min=1.0)
+    sel = mask.bool()
+    return torch.where(sel, x, torch.zeros_like(x)).sum() / sel.sum().to(x.dtype).clamp(min=1.0)
 
 
 def surrogate_stats(s: Surrogate, mask: Tensor | None = None) -> dict[str, float]:
@@ -101,8 +101,8 @@ def aggregate(
     not split a unit.
     """
     if mode == "token-mean":
-        w = torch.ones_like(loss) if mask is None else mask.to(loss.dtype)
-        total, units = (loss * w).sum(), w.sum()
+        sel = torch.ones_like(loss, dtype=torch.bool) if mask is None else mask.bool()
+        total, units = torch.where(sel, loss, torch.zeros_like(loss)).sum(), sel.sum()
     elif mode in _UNIT_IDS:
         ids = {"traj_ids": traj_ids, "step_ids": step_ids, "episode_ids": episode_ids}[_UNIT_IDS[mode]]
         total, units = _unit_means(loss, mask, ids, _UNIT_IDS[mode])

@@ -15,8 +15,11 @@ from torch import Tensor
 
 from trainer.algorithms._segments import segment_mean
 
-# exp(±20) ≈ 4.9e8: far beyond any clip range, yet never inf (verl clamps the same way).
+# exp(±20) ≈ 4.9e8: far beyond any clip range, yet never inf (verl clamps each token's log-ratio the same way).
 LOG_RATIO_LIMIT = 20.0
+# The mean log-ratio of a step or sequence is capped above at 10 (exp(10) ≈ 2.2e4), as verl caps GSPO's
+# combined sequence log-ratio; beyond it the ratio is constant, so it carries no gradient.
+SEGMENT_LOG_RATIO_CAP = 10.0
 
 
 def _log_ratio(logp: Tensor, old_logp: Tensor) -> Tensor:
@@ -26,14 +29,15 @@ def _log_ratio(logp: Tensor, old_logp: Tensor) -> Tensor:
 def segment_ratio(logp: Tensor, old_logp: Tensor, segment_ids: Tensor, mask: Tensor | None = None) -> Tensor:
     """Geometric mean of the token ratios of each segment, broadcast to its tokens:
 
-    r_seg = exp( (1/|seg|) Σ_{t∈seg, mask_t} (log π_θ(t) − log π_old(t)) ),  [N] -> [N].
-    Masked tokens neither enter the mean nor need a sensible value.
+    r_seg = exp( min( (1/|seg|) Σ_{t∈seg, mask_t} (log π_θ(t) − log π_old(t)), 10 ) ),  [N] -> [N].
+    Masked tokens neither enter the mean nor need a sensible value (NaN there stays out). The cap at 10
+    is verl's for GSPO (zero gradient beyond it): with A < 0 an unbounded ratio is an unbounded loss.
     """
     if logp.numel() == 0:
         return logp
     num = int(segment_ids.max()) + 1
     mean = segment_mean(_log_ratio(logp, old_logp), segment_ids, num, mask)
-    return torch.exp(mean)[segment_ids]
+    return torch.exp(mean.clamp(max=SEGMENT_LOG_RATIO_CAP))[segment_ids]
 
 
 def token_ratio(
