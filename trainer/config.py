@@ -70,6 +70,8 @@ class TrainerConfig(BaseModel):
     advantage_args: dict[str, Any] = Field(default_factory=dict, description="keyword hyper-parameters for it")
     ratio: str = Field("step", description="importance ratio level, a key of RATIOS: token | step | sequence")
     loss_aggregation: str = Field("episode-mean", description="a name in AGGREGATIONS")
+    loss_token_norm: float | None = Field(None, gt=0, description="the constant C of seq-mean-token-sum-norm "
+                                          "(Dr. GRPO: the maximum generation length, in tokens)")
     clip_low: float = Field(0.2, ge=0, description="lower clip epsilon of the surrogate")
     clip_high: float = Field(0.28, ge=0, description="upper clip epsilon (clip-higher)")
     dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c for negative advantages")
@@ -172,6 +174,9 @@ class TrainerConfig(BaseModel):
         unknown = sorted(set(self.advantage_args) - {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY})
         if unknown:
             raise ValueError(f"advantage_args: {unknown} not accepted by advantage {self.advantage!r}")
+        if (self.loss_aggregation == "seq-mean-token-sum-norm") != (self.loss_token_norm is not None):
+            raise ValueError("loss_token_norm is the constant C of loss_aggregation 'seq-mean-token-sum-norm': "
+                             "set both or neither")
         if self.advantage == "gae" and not self.critic:
             raise ValueError("advantage 'gae' needs a critic: set critic = true")
         if self.push_every > self.max_staleness + 1:

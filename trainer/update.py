@@ -73,6 +73,7 @@ class Objective:
     advantage_args: dict[str, Any] = field(default_factory=dict)
     ratio: str = "step"
     aggregation: str = "episode-mean"
+    token_norm: float | None = None  # C of seq-mean-token-sum-norm
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float | None = None
@@ -227,7 +228,7 @@ def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, 
         _record(stats, "dual_clip_frac", surrogate.dual_clipped.float(), mask)
         _record(stats, "approx_kl_behaviour", (behaviour - logp).detach(), mask)
     loss = aggregate(per_token, mask, obj.aggregation, step_ids=step_ids, traj_ids=traj_ids,
-                     episode_ids=episode_ids, num_units=units)
+                     episode_ids=episode_ids, num_units=units, token_norm=obj.token_norm)
     _record(stats, "entropy", out.entropy.detach(), mask)
     _record(stats, "logprob", logp.detach(), mask)
     stats["policy_loss"].append(float(loss.detach()))

@@ -160,3 +160,24 @@ def test_no_nan_anywhere_on_degenerate_batches() -> None:
 
 def test_group_index_from_keys() -> None:
     assert group_index(["a::h1", "b::h1", "a::h1", "a::h2"]).tolist() == [0, 1, 0, 2]
+
+
+def test_dr_grpo_is_mean_centred_without_std() -> None:
+    # Dr. GRPO: A_i = R_i − mean_g R (group 0 mean 1/3, group 3 mean 2); singles and zero variance -> 0
+    close(ADVANTAGES["dr_grpo"](one_step_each()), [2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0, -1.0, 1.0])
+
+
+def test_reinforce_pp_uses_discounted_step_rewards() -> None:
+    # one group: episode 0 has 2 steps with step rewards [1, 0] and outcome 1; episode 1 has 1 step, outcome 0.
+    # γ = 0.5: rewards per step r = [1, 0 + 1, 0 + 0]; G = [1 + 0.5·1, 1, 0] = [1.5, 1, 0]
+    # baseline = group mean R = 0.5 -> centred [1.0, 0.5, -0.5]
+    # weights 1/(rows of the episode) = [0.5, 0.5, 1]; weighted mean (0.5 + 0.25 − 0.5) / 2 = 0.125
+    # var = (0.5·0.875² + 0.5·0.375² + 1·0.625²) / (2 − 1) = 0.84375, std 0.918559
+    # -> [1.0, 0.5, -0.5] / 0.918559 = [1.08866, 0.54433, -0.54433]
+    x = AdvantageInputs(outcome=torch.tensor([1.0, 0.0]), episode_group=torch.tensor([0, 0]),
+                        step_episode=torch.tensor([0, 0, 1]), step_traj=torch.tensor([0, 0, 1]),
+                        step_position=torch.tensor([0, 1, 0]), step_reward=torch.tensor([1.0, 0.0, 0.0]))
+    close(ADVANTAGES["reinforce_pp"](x, gamma=0.5), [1.08866, 0.54433, -0.54433])
+    # without step rewards and γ = 1 every step of an episode gets its episode's value: [1, 1, -1]·(0.5/0.7071)
+    plain = AdvantageInputs(**{**x.__dict__, "step_reward": None})
+    close(ADVANTAGES["reinforce_pp"](plain), [0.70711, 0.70711, -0.70711])

@@ -39,6 +39,10 @@ def test_defaults_load(tiny_model_dir: Path) -> None:
     ({"lora_alpha": 16}, "", "lora_alpha set but lora_rank is not"),
     ({"lora_targets": ["q_proj"]}, "", "lora_targets set but lora_rank is not"),
     ({"autocast_bf16": True, "dtype": "bfloat16"}, "", "autocast_bf16 keeps fp32 master weights"),
+    ({"loss_aggregation": "seq-mean-token-sum-norm"}, "", "loss_token_norm is the constant C"),
+    ({"loss_token_norm": 512}, "", "loss_token_norm is the constant C"),
+    ({"loss_token_norm": 0}, "loss_token_norm", "greater than 0"),
+    ({"advantage": "dr_grpo", "advantage_args": {"scale_by_std": True}}, "", "['scale_by_std'] not accepted"),
 ])
 def test_bad_fields_are_named(tiny_model_dir: Path, fields: dict, where: str, says: str) -> None:
     with pytest.raises(ValidationError) as info:

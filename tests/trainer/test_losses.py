@@ -100,11 +100,12 @@ def test_fully_masked_units_do_not_count() -> None:
 @pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
 def test_micro_batches_with_num_units_sum_to_the_full_loss(mode: str) -> None:
     # split by episode (a micro-batch never splits a unit): tokens 0-3 and 4-5
-    full = aggregate(LOSS, MASK, mode, **IDS)
+    full = aggregate(LOSS, MASK, mode, token_norm=3, **IDS)
     units = count_units(MASK, mode, **IDS)
     parts = [slice(0, 4), slice(4, 6)]
     summed = sum(
-        aggregate(LOSS[p], MASK[p], mode, num_units=units, **{k: v[p] for k, v in IDS.items()}) for p in parts
+        aggregate(LOSS[p], MASK[p], mode, num_units=units, token_norm=3, **{k: v[p] for k, v in IDS.items()})
+        for p in parts
     )
     assert float(summed) == pytest.approx(float(full))
 
@@ -114,3 +115,23 @@ def test_missing_ids_and_unknown_mode_are_clear_errors() -> None:
         aggregate(LOSS, MASK, "episode-mean")
     with pytest.raises(ValueError, match="unknown aggregation"):
         aggregate(LOSS, MASK, "sum")
+
+
+def test_sum_aggregations_by_hand() -> None:
+    # trajectory 0 = tokens [1, 2, 3], trajectory 1 = tokens [4, 5 (masked)]; C = 4 (the constant of Dr. GRPO)
+    loss = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    mask = torch.tensor([True, True, True, True, False])
+    traj = torch.tensor([0, 0, 0, 1, 1])
+    # token-sum: 1 + 2 + 3 + 4 = 10;  seq-mean-token-sum: (6 + 4) / 2 = 5;  sum-norm: (6/4 + 4/4) / 2 = 1.25
+    assert float(aggregate(loss, mask, "token-sum")) == pytest.approx(10.0)
+    assert float(aggregate(loss, mask, "seq-mean-token-sum", traj_ids=traj)) == pytest.approx(5.0)
+    assert float(aggregate(loss, mask, "seq-mean-token-sum-norm", traj_ids=traj, token_norm=4)) == pytest.approx(1.25)
+    with pytest.raises(ValueError, match="token_norm"):
+        aggregate(loss, mask, "seq-mean-token-sum-norm", traj_ids=traj)
+    # micro-batches: each trajectory alone with the minibatch's unit count adds up to the whole
+    for mode in ("token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        units = count_units(mask, mode, traj_ids=traj)
+        whole = aggregate(loss, mask, mode, traj_ids=traj, token_norm=4)
+        parts = sum(aggregate(loss[s], mask[s], mode, traj_ids=traj[s], num_units=units, token_norm=4)
+                    for s in (slice(0, 3), slice(3, 5)))
+        assert float(parts) == pytest.approx(float(whole))

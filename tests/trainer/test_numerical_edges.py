@@ -64,13 +64,15 @@ def test_nan_under_a_false_mask_stays_out_of_the_step_ratio() -> None:
 
 @pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
 def test_inf_and_nan_under_a_false_mask_stay_out_of_aggregate(mode: str) -> None:
-    # one step/trajectory/episode of tokens [1, 2, inf], the inf masked: every mean mode gives (1 + 2) / 2
+    # one step/trajectory/episode of tokens [1, 2, inf], the inf masked: every mean mode gives (1 + 2) / 2,
+    # the sum modes 1 + 2 = 3 (one trajectory), the token-sum-norm mode 3 / C with C = 2
     ids = torch.zeros(3, dtype=torch.long)
     mask = torch.tensor([True, True, False])
     for bad in (float("inf"), float("nan")):
         loss = torch.tensor([1.0, 2.0, bad], requires_grad=True)
-        out = aggregate(loss, mask, mode, step_ids=ids, traj_ids=ids, episode_ids=ids)
-        assert float(out.detach()) == pytest.approx(1.5)
+        out = aggregate(loss, mask, mode, step_ids=ids, traj_ids=ids, episode_ids=ids, token_norm=2)
+        expected = 3.0 if mode in ("token-sum", "seq-mean-token-sum") else 1.5
+        assert float(out.detach()) == pytest.approx(expected)
         out.backward()
         assert loss.grad[2] == 0.0 and torch.isfinite(loss.grad).all()
     assert float(masked_mean(torch.tensor([1.0, 2.0, float("nan")]), mask)) == pytest.approx(1.5)

@@ -117,20 +117,42 @@ def rloo(x: AdvantageInputs) -> Tensor:
 
 
 @torch.no_grad()
-def reinforce_pp(x: AdvantageInputs, *, group_baseline: bool = True, eps: float = 1e-6) -> Tensor:
-    """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262): A_i = (R_i − b_i) / (std_batch(R − b) + eps).
+def dr_grpo(x: AdvantageInputs) -> Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"): every step
+    of episode i gets A_i = R_i − mean_g R, without GRPO's 1/std (which over-weights groups that are nearly
+    all right or all wrong). Its other half is the aggregation: loss_aggregation = "seq-mean-token-sum-norm"
+    with a constant token_norm removes the 1/|o_i| length bias."""
+    return group_normalize(x.outcome, x.episode_group, scale_by_std=False)[x.step_episode]
 
-    b_i = group mean of R (group_baseline) or the batch mean; the centred rewards are then scaled by
-    their std over the batch's episodes (the paper whitens over tokens; per episode keeps every
-    episode equal, DESIGN.md §3). Not re-centred, so zero-variance groups stay exactly 0.
+
+@torch.no_grad()
+def reinforce_pp(x: AdvantageInputs, *, group_baseline: bool = True, gamma: float = 1.0, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++(-baseline) (Hu 2025, arXiv:2501.03262) with discounted returns of the step rewards:
+
+    G_t = Σ_{k≥t} γ^{k−t} r_k,  r_k = dense step reward + R_i on the last step;
+    A_t = (G_t − b_i) / (std_w(G − b) + eps),  b_i = group mean of R (group_baseline) or the batch mean.
+    The paper's returns are per token with the reward on the last token; a step's reward arrives at its
+    last token, so with γ = 1 (verl's default) G_t is exactly the token-level return of every token of
+    step t; with γ < 1 the discount is counted in steps. std_w is the unbiased std over step rows weighted
+    1/(rows of the episode), so every episode weighs the same (DESIGN.md §3); with no step rewards and
+    γ = 1 it is the std over episodes. Not re-centred: zero-variance groups without step rewards stay 0.
     """
-    if group_baseline:
-        centred = group_normalize(x.outcome, x.episode_group, scale_by_std=False)
+    row, _, last = _grid(x)
+    reward = _step_rewards(x) + torch.where(last, x.outcome[x.step_episode], torch.zeros_like(x.outcome[x.step_episode]))
+    returns = _discounted_suffix_sum(reward, row, x.step_position, gamma)
+    if group_baseline:  # R_i − b_i, exactly 0 in groups whose outcomes are all equal
+        outcome_centred = group_normalize(x.outcome, x.episode_group, scale_by_std=False)
     else:
-        centred = x.outcome - x.outcome.mean()
-    if centred.numel() < 2:
-        return torch.zeros_like(centred)[x.step_episode]
-    return (centred / (centred.std() + eps))[x.step_episode]
+        outcome_centred = x.outcome - x.outcome.mean()
+    # G_t − b_i = (G_t − R_i) + (R_i − b_i); the first term is exactly 0 without step rewards at γ = 1
+    centred = (returns - x.outcome[x.step_episode]) + outcome_centred[x.step_episode]
+    e, episodes = compact(x.step_episode)
+    if episodes < 2:
+        return torch.zeros_like(centred)
+    w = (1.0 / segment_count(e, episodes).to(centred.dtype))[e]  # each episode's rows weigh 1 in all
+    mean = (w * centred).sum() / episodes
+    std = ((w * (centred - mean) ** 2).sum() / (episodes - 1)).sqrt()
+    return centred / (std + eps)
 
 
 @torch.no_grad()
@@ -194,6 +216,7 @@ def turn_discount(x: AdvantageInputs, *, gamma: float = 0.9, scale_by_std: bool 
 
 ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "grpo": grpo,
+    "dr_grpo": dr_grpo,
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
     "gae": step_gae,

@@ -66,17 +66,28 @@ def surrogate_stats(s: Surrogate, mask: Tensor | None = None) -> dict[str, float
 
 # --- aggregation: [N] -> scalar ---------------------------------------------------------------
 
-_UNIT_IDS = {"seq-mean-token-mean": "traj_ids", "step-mean": "step_ids", "episode-mean": "episode_ids"}
+# mode -> (the ids whose segments are the units, or None for tokens; per-unit reduction of the token losses)
+_MODES: dict[str, tuple[str | None, str]] = {
+    "token-mean": (None, "mean"),
+    "token-sum": (None, "sum"),
+    "seq-mean-token-mean": ("traj_ids", "mean"),
+    "seq-mean-token-sum": ("traj_ids", "sum"),
+    "seq-mean-token-sum-norm": ("traj_ids", "sum-norm"),
+    "step-mean": ("step_ids", "mean"),
+    "episode-mean": ("episode_ids", "mean"),
+}
 
 
-def _unit_means(loss: Tensor, mask: Tensor | None, ids: Tensor | None, name: str) -> tuple[Tensor, Tensor]:
-    """(sum of per-unit token means, number of units with at least one selected token)."""
+def _unit_total(loss: Tensor, sel: Tensor, ids: Tensor | None, name: str, reduce: str) -> tuple[Tensor, Tensor]:
+    """(sum over units of each unit's token mean or token sum, number of units with a selected token)."""
     if ids is None:
         raise ValueError(f"this aggregation needs {name}")
     seg, num = compact(ids)
-    w = torch.ones_like(loss) if mask is None else mask.to(loss.dtype)
+    w = sel.to(loss.dtype)
     present = segment_sum(w, seg, num) > 0
-    return segment_mean(loss, seg, num, w).sum(), present.sum()
+    if reduce == "mean":
+        return segment_mean(loss, seg, num, w).sum(), present.sum()
+    return torch.where(sel, loss, torch.zeros_like(loss)).sum(), present.sum()
 
 
 def aggregate(
@@ -88,26 +99,38 @@ def aggregate(
     traj_ids: Tensor | None = None,
     episode_ids: Tensor | None = None,
     num_units: float | None = None,
+    token_norm: float | None = None,
 ) -> Tensor:
-    """Reduce a per-token loss [N] to a scalar.
+    """Reduce a per-token loss [N] to a scalar (m_t the mask; masked tokens are selected away).
 
-    token-mean           Σ_t m_t L_t / Σ_t m_t (DAPO's token-level loss)
-    seq-mean-token-mean  mean over trajectories of each trajectory's token mean (GRPO's original)
-    step-mean            mean over steps of each step's token mean
-    episode-mean         mean over episodes of each episode's token mean (the default)
+    token-mean               Σ_t m_t L_t / Σ_t m_t (DAPO's token-level loss)
+    token-sum                Σ_t m_t L_t (no normalisation: the gradient grows with the batch's tokens)
+    seq-mean-token-mean      mean over trajectories of each trajectory's token mean (GRPO's original)
+    seq-mean-token-sum       mean over trajectories of each trajectory's token sum (verl)
+    seq-mean-token-sum-norm  mean over trajectories of (token sum / C), C = `token_norm`, a constant such as
+                             the maximum generation length (Dr. GRPO, Liu et al. 2025, eq. 3: no 1/|o_i| length
+                             bias). verl's mode of this name leaves out the 1/#trajectories; it is ours × #traj.
+    step-mean                mean over steps of each step's token mean
+    episode-mean             mean over episodes of each episode's token mean (the default)
     `num_units`: divide by this instead of the local count of units (tokens, trajectories, steps,
-    episodes) — pass the minibatch's count (`count_units`) when accumulating gradients over
-    micro-batches, so the sum of the micro-batch losses equals the minibatch loss. A micro-batch must
+    episodes; 1 for token-sum) — pass the minibatch's count (`count_units`) when accumulating gradients
+    over micro-batches, so the sum of the micro-batch losses equals the minibatch loss. A micro-batch must
     not split a unit.
     """
-    if mode == "token-mean":
-        sel = torch.ones_like(loss, dtype=torch.bool) if mask is None else mask.bool()
-        total, units = torch.where(sel, loss, torch.zeros_like(loss)).sum(), sel.sum()
-    elif mode in _UNIT_IDS:
-        ids = {"traj_ids": traj_ids, "step_ids": step_ids, "episode_ids": episode_ids}[_UNIT_IDS[mode]]
-        total, units = _unit_means(loss, mask, ids, _UNIT_IDS[mode])
-    else:
+    if mode not in _MODES:
         raise ValueError(f"unknown aggregation {mode!r}; choose one of {sorted(AGGREGATIONS)}")
+    unit, reduce = _MODES[mode]
+    sel = torch.ones_like(loss, dtype=torch.bool) if mask is None else mask.bool()
+    if unit is None:
+        total = torch.where(sel, loss, torch.zeros_like(loss)).sum()
+        units = sel.sum() if reduce == "mean" else torch.ones((), dtype=torch.long)
+    else:
+        ids = {"traj_ids": traj_ids, "step_ids": step_ids, "episode_ids": episode_ids}[unit]
+        total, units = _unit_total(loss, sel, ids, unit, reduce)
+    if reduce == "sum-norm":
+        if token_norm is None or token_norm <= 0:
+            raise ValueError(f"{mode} needs token_norm > 0 (the constant C), got {token_norm}")
+        total = total / token_norm
     denom = units.to(loss.dtype) if num_units is None else torch.tensor(float(num_units), dtype=loss.dtype)
     return total / denom.clamp(min=1.0)
 
@@ -120,13 +143,14 @@ def count_units(
     traj_ids: Tensor | None = None,
     episode_ids: Tensor | None = None,
 ) -> int:
-    """How many units `aggregate` divides by over these tokens: selected tokens for token-mean, else
-    the number of trajectories / steps / episodes with at least one selected token. mask [N]."""
-    if mode == "token-mean":
-        return int(mask.sum())
-    ids = {"traj_ids": traj_ids, "step_ids": step_ids, "episode_ids": episode_ids}[_UNIT_IDS[mode]]
+    """How many units `aggregate` divides by over these tokens: selected tokens for token-mean, 1 for
+    token-sum, else the number of trajectories / steps / episodes with at least one selected token. mask [N]."""
+    unit, reduce = _MODES[mode]
+    if unit is None:
+        return int(mask.sum()) if reduce == "mean" else 1
+    ids = {"traj_ids": traj_ids, "step_ids": step_ids, "episode_ids": episode_ids}[unit]
     if ids is None:
-        raise ValueError(f"{mode} needs {_UNIT_IDS[mode]}")
+        raise ValueError(f"{mode} needs {unit}")
     return int(torch.unique(ids[mask.bool()]).numel())
 
 
@@ -139,6 +163,4 @@ def _mode(name: str) -> Callable[..., Tensor]:
     return reduce
 
 
-AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
-    name: _mode(name) for name in ("token-mean", "seq-mean-token-mean", "step-mean", "episode-mean")
-}
+AGGREGATIONS: dict[str, Callable[..., Tensor]] = {name: _mode(name) for name in _MODES}
