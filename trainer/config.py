@@ -69,6 +69,11 @@ class TrainerConfig(BaseModel):
     advantage: str = Field("grpo", description="advantage estimator, a key of ADVANTAGES")
     advantage_args: dict[str, Any] = Field(default_factory=dict, description="keyword hyper-parameters for it")
     ratio: str = Field("step", description="importance ratio level, a key of RATIOS: token | step | sequence")
+    policy_loss: str = Field("ppo", description="a key of POLICY_LOSSES: ppo (clipped surrogate) | cispo | gmpo")
+    sapo_coef: float = Field(0.0, ge=0, description="SAPO: weight γ of the conditional KL 1[r < τ, A > 0]·log r "
+                             "(0: off)")
+    sapo_tau: float = Field(1.0, gt=0, le=1, description="SAPO: ratio threshold τ below which positive tokens are "
+                            "pulled back")
     loss_aggregation: str = Field("episode-mean", description="a name in AGGREGATIONS")
     loss_token_norm: float | None = Field(None, gt=0, description="the constant C of seq-mean-token-sum-norm "
                                           "(Dr. GRPO: the maximum generation length, in tokens)")
@@ -80,6 +85,11 @@ class TrainerConfig(BaseModel):
         "(decoupled objective, with truncated IS against the engine)")
     tis_cap: float = Field(2.0, gt=0, description="truncation of the IS weight trainer/engine (recompute only)")
     tis_level: Literal["token", "step"] = Field("step", description="IS weight per token or per step")
+    is_correction: Literal["tis", "icepop", "mis"] = Field(
+        "tis", description="recompute only: bound the trainer/engine weight by truncation at tis_cap (tis), by "
+        "masking tokens outside [is_floor, tis_cap] (icepop), or by rejecting trajectories whose product ratio "
+        "exceeds tis_cap (mis)")
+    is_floor: float = Field(0.5, ge=0, description="icepop: lower bound of the kept trainer/engine ratio")
     kl_coef: float = Field(0.0, ge=0, description="weight of KL(policy || frozen reference); 0 loads no reference")
     kl_estimator: str = Field("k3", description="a key of KL_ESTIMATORS: k1 | k2 | k3")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
@@ -153,13 +163,14 @@ class TrainerConfig(BaseModel):
                 raise ValueError(f"{unknown} are not linear layers of the model; expected some of {sorted(known)}")
         return v
 
-    @field_validator("advantage", "ratio", "loss_aggregation", "kl_estimator")
+    @field_validator("advantage", "ratio", "policy_loss", "loss_aggregation", "kl_estimator")
     @classmethod
     def _registered(cls, v: str, info: ValidationInfo) -> str:
         """Each algorithm name must be a key of its registry in `trainer.algorithms`."""
         from trainer import algorithms
 
         registry = {"advantage": algorithms.ADVANTAGES, "ratio": algorithms.RATIOS,
+                    "policy_loss": algorithms.POLICY_LOSSES,
                     "loss_aggregation": algorithms.AGGREGATIONS, "kl_estimator": algorithms.KL_ESTIMATORS}
         return _known(v, registry[info.field_name])
 
@@ -177,6 +188,7 @@ class TrainerConfig(BaseModel):
         if (self.loss_aggregation == "seq-mean-token-sum-norm") != (self.loss_token_norm is not None):
             raise ValueError("loss_token_norm is the constant C of loss_aggregation 'seq-mean-token-sum-norm': "
                              "set both or neither")
+        self._objective_options()
         if self.advantage == "gae" and not self.critic:
             raise ValueError("advantage 'gae' needs a critic: set critic = true")
         if self.push_every > self.max_staleness + 1:
@@ -192,6 +204,20 @@ class TrainerConfig(BaseModel):
         if unused:
             raise ValueError(f"{', '.join(unused)} set but lora_rank is not (no LoRA adapters)")
         return self
+
+    def _objective_options(self) -> None:
+        """Options of the objective that only mean something together with another one."""
+        if self.dual_clip is not None and self.policy_loss != "ppo":
+            raise ValueError(f"dual_clip applies to policy_loss 'ppo' only, not {self.policy_loss!r}")
+        if "sapo_tau" in self.model_fields_set and self.sapo_coef == 0:
+            raise ValueError("sapo_tau set but sapo_coef is 0 (SAPO's term is off)")
+        if self.is_correction != "tis" and self.old_logprobs != "recompute":
+            raise ValueError(f"is_correction {self.is_correction!r} bounds the trainer/engine weight, which exists "
+                             "only with old_logprobs = \"recompute\"")
+        if "is_floor" in self.model_fields_set and self.is_correction != "icepop":
+            raise ValueError("is_floor is IcePop's lower bound: set is_correction = \"icepop\"")
+        if self.is_correction == "icepop" and self.is_floor >= self.tis_cap:
+            raise ValueError(f"is_floor ({self.is_floor}) must be below tis_cap ({self.tis_cap})")
 
     @property
     def lora_scale_alpha(self) -> float | None:

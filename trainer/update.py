@@ -26,14 +26,16 @@ from torch import nn
 
 from trainer.algorithms import (
     ADVANTAGES,
-    RATIOS,
+    POLICY_LOSSES,
     aggregate,
-    clipped_surrogate,
     clipped_value_loss,
     count_units,
     decoupled_weights,
     fresh_mask,
+    icepop_weights,
     kl_penalty,
+    mis_weights,
+    sapo_kl_term,
     value_targets,
 )
 from trainer.batch import Batch, TokenView, token_view
@@ -72,6 +74,9 @@ class Objective:
     advantage: str = "grpo"
     advantage_args: dict[str, Any] = field(default_factory=dict)
     ratio: str = "step"
+    policy_loss: str = "ppo"  # a key of POLICY_LOSSES
+    sapo_coef: float = 0.0  # γ of SAPO's conditional KL term (0: off)
+    sapo_tau: float = 1.0  # τ: the term acts on positive-advantage tokens with r < τ
     aggregation: str = "episode-mean"
     token_norm: float | None = None  # C of seq-mean-token-sum-norm
     clip_low: float = 0.2
@@ -80,6 +85,8 @@ class Objective:
     old_logprobs: Literal["engine", "recompute"] = "engine"
     tis_cap: float = 2.0
     tis_level: Literal["token", "step"] = "step"
+    is_correction: Literal["tis", "icepop", "mis"] = "tis"  # how the trainer/engine weight is bounded
+    is_floor: float = 0.5  # IcePop's lower bound (tis_cap is the upper one)
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -210,13 +217,20 @@ def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, 
         per_token = -logp
     else:
         old = aux.prox if aux.prox is not None else behaviour
-        ratio = RATIOS[obj.ratio](logp, old, step_ids=step_ids, traj_ids=traj_ids, mask=mask)
-        surrogate = clipped_surrogate(ratio, advantages.to(dev)[step_ids], clip_low=obj.clip_low,
-                                      clip_high=obj.clip_high, dual_clip=obj.dual_clip)
+        adv = advantages.to(dev)[step_ids]
+        surrogate = POLICY_LOSSES[obj.policy_loss](logp, old, adv, level=obj.ratio, step_ids=step_ids,
+                                                   traj_ids=traj_ids, mask=mask, clip_low=obj.clip_low,
+                                                   clip_high=obj.clip_high, dual_clip=obj.dual_clip)
+        ratio = surrogate.ratio
         per_token = surrogate.loss
+        if obj.sapo_coef:
+            sapo = sapo_kl_term(logp, old, adv, tau=obj.sapo_tau)
+            per_token = per_token - obj.sapo_coef * sapo
+            _record(stats, "sapo_active_frac", (sapo != 0).float(), mask)
         if aux.prox is not None:
-            per_token = per_token * decoupled_weights(aux.prox, behaviour, cap=obj.tis_cap, mask=mask,
-                                                      segment_ids=step_ids if obj.tis_level == "step" else None)
+            weights = _behaviour_weights(aux.prox, behaviour, obj, step_ids, traj_ids, mask)
+            per_token = per_token * weights
+            _record(stats, "is_weight", weights, mask)
         if aux.ref is not None:
             kl = kl_penalty(logp, aux.ref, obj.kl_estimator)
             per_token = per_token + obj.kl_coef * kl
@@ -242,6 +256,17 @@ def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, 
         stats["value_loss"].append(float(value_loss.detach()))
         loss = loss + obj.value_coef * value_loss
     return loss
+
+
+def _behaviour_weights(prox: torch.Tensor, behaviour: torch.Tensor, obj: Objective, step_ids: torch.Tensor,
+                       traj_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """π_prox/μ bounded as configured: truncated (TIS), masked per token (IcePop) or per sequence (MIS)."""
+    if obj.is_correction == "icepop":
+        return icepop_weights(prox, behaviour, low=obj.is_floor, high=obj.tis_cap)
+    if obj.is_correction == "mis":
+        return mis_weights(prox, behaviour, cap=obj.tis_cap, segment_ids=traj_ids, mask=mask)
+    return decoupled_weights(prox, behaviour, cap=obj.tis_cap, mask=mask,
+                             segment_ids=step_ids if obj.tis_level == "step" else None)
 
 
 def _record(stats: dict[str, list[float]], name: str, x: torch.Tensor, mask: torch.Tensor) -> None:

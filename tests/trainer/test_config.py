@@ -42,6 +42,15 @@ def test_defaults_load(tiny_model_dir: Path) -> None:
     ({"loss_aggregation": "seq-mean-token-sum-norm"}, "", "loss_token_norm is the constant C"),
     ({"loss_token_norm": 512}, "", "loss_token_norm is the constant C"),
     ({"loss_token_norm": 0}, "loss_token_norm", "greater than 0"),
+    ({"policy_loss": "trpo"}, "policy_loss", "unknown name 'trpo'"),
+    ({"policy_loss": "cispo", "dual_clip": 3.0}, "", "dual_clip applies to policy_loss 'ppo' only"),
+    ({"sapo_tau": 0.5}, "", "sapo_tau set but sapo_coef is 0"),
+    ({"sapo_coef": 0.1, "sapo_tau": 1.5}, "sapo_tau", "less than or equal to 1"),
+    ({"sapo_coef": -1}, "sapo_coef", "greater than or equal to 0"),
+    ({"is_correction": "icepop"}, "", "only with old_logprobs"),
+    ({"is_correction": "imp", "old_logprobs": "recompute"}, "is_correction", "Input should be"),
+    ({"is_floor": 0.2, "old_logprobs": "recompute"}, "", "is_floor is IcePop's lower bound"),
+    ({"is_correction": "icepop", "old_logprobs": "recompute", "is_floor": 3.0}, "", "must be below tis_cap"),
     ({"advantage": "dr_grpo", "advantage_args": {"scale_by_std": True}}, "", "['scale_by_std'] not accepted"),
 ])
 def test_bad_fields_are_named(tiny_model_dir: Path, fields: dict, where: str, says: str) -> None:

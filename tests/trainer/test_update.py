@@ -168,3 +168,17 @@ def test_eval_and_flat_groups_are_filtered(tiny_model_dir: Path) -> None:
     assert [keep(g) for g in (varied, flat_group, evaluation)] == [None, "no_variance", "eval"]
     sft = group_filter(TrainerConfig(model_dir=tiny_model_dir, mode="sft"))
     assert [sft(g) for g in (varied, flat_group, evaluation)] == [None, None, "eval"]
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "cispo", "gmpo"])
+@pytest.mark.parametrize("is_correction", ["tis", "icepop", "mis"])
+def test_every_policy_loss_and_is_correction_runs(tiny_model_dir: Path, tmp_path: Path, policy_loss: str,
+                                                   is_correction: str) -> None:
+    # with SAPO's term on: after the first epoch's step some positive-advantage tokens have r < τ = 1
+    cfg, policy = policy_for(tiny_model_dir, tmp_path, policy_loss=policy_loss, is_correction=is_correction,
+                             old_logprobs="recompute", tis_cap=5.0, sapo_coef=0.1, epochs=2,
+                             loss_aggregation="seq-mean-token-sum-norm", loss_token_norm=9)
+    m = update(policy, build_batch(toy_groups(1)), objective(cfg, 0, False), version=0)
+    assert math.isfinite(m["policy_loss"]) and m["grad_norm"] > 0
+    assert 0 < m["sapo_active_frac_mean"] < 1
+    assert 0 <= m["is_weight_min"] <= m["is_weight_max"] <= 5.0

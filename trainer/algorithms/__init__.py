@@ -18,7 +18,9 @@ from trainer.algorithms.corrections import (
     decoupled_weights,
     entropy_from_logits,
     fresh_mask,
+    icepop_weights,
     kl_penalty,
+    mis_weights,
     token_logprobs_from_logits,
     truncated_is_weights,
 )
@@ -31,6 +33,7 @@ from trainer.algorithms.losses import (
     masked_mean,
     surrogate_stats,
 )
+from trainer.algorithms.objectives import POLICY_LOSSES, cispo_loss, gmpo_loss, ppo_loss, sapo_kl_term
 from trainer.algorithms.ratios import RATIOS, segment_ratio, sequence_ratio, step_ratio, token_ratio
 from trainer.algorithms.sampling import dynamic_sampling_mask, has_reward_variance, overlong_penalty
 
@@ -46,7 +49,9 @@ __all__ = [
     "decoupled_weights",
     "entropy_from_logits",
     "fresh_mask",
+    "icepop_weights",
     "kl_penalty",
+    "mis_weights",
     "token_logprobs_from_logits",
     "truncated_is_weights",
     "AGGREGATIONS",
@@ -56,6 +61,11 @@ __all__ = [
     "count_units",
     "masked_mean",
     "surrogate_stats",
+    "POLICY_LOSSES",
+    "cispo_loss",
+    "gmpo_loss",
+    "ppo_loss",
+    "sapo_kl_term",
     "RATIOS",
     "segment_ratio",
     "sequence_ratio",

@@ -39,8 +39,7 @@ def truncated_is_weights(
     recorded ones) -> weights [N], no gradient; multiply the per-token loss by them. The weights keep the
     inputs' dtype (float64 stays float64); bf16/fp16 inputs are computed and returned in float32.
     """
-    dtype = torch.promote_types(torch.promote_types(target_logp.dtype, behaviour_logp.dtype), torch.float32)
-    log_w = (target_logp.to(dtype) - behaviour_logp.to(dtype)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    log_w = _log_weights(target_logp, behaviour_logp)
     if segment_ids is not None and log_w.numel():
         log_w = segment_mean(log_w, segment_ids, int(segment_ids.max()) + 1, mask)[segment_ids]
     return log_w.exp().clamp(max=cap)
@@ -63,6 +62,46 @@ def decoupled_weights(
     π_prox/μ [N]. The ratio is `RATIOS[level](logp, prox_logp, ...)`.
     """
     return truncated_is_weights(prox_logp, behaviour_logp, cap=cap, segment_ids=segment_ids, mask=mask)
+
+
+def _log_weights(target_logp: Tensor, behaviour_logp: Tensor) -> Tensor:
+    dtype = torch.promote_types(torch.promote_types(target_logp.dtype, behaviour_logp.dtype), torch.float32)
+    return (target_logp.to(dtype) - behaviour_logp.to(dtype)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+@torch.no_grad()
+def icepop_weights(target_logp: Tensor, behaviour_logp: Tensor, *, low: float = 0.5, high: float = 5.0) -> Tensor:
+    """IcePop (Ling Team 2025, Ring-1T, arXiv:2510.18855): double-sided masking of the trainer/engine mismatch.
+
+    w_t = ρ_t · 1[ low ≤ ρ_t ≤ high ],  ρ_t = π_train(a_t) / π_engine(a_t)
+    Where TIS truncates a large ρ to C and keeps the token, IcePop drops the token's gradient entirely when
+    the two engines disagree too much in either direction. [N] -> [N], no gradient.
+    """
+    if not 0 <= low < high:
+        raise ValueError(f"icepop needs 0 <= low < high, got low={low}, high={high}")
+    rho = _log_weights(target_logp, behaviour_logp).exp()
+    return torch.where((rho >= low) & (rho <= high), rho, torch.zeros_like(rho))
+
+
+@torch.no_grad()
+def mis_weights(target_logp: Tensor, behaviour_logp: Tensor, *, cap: float = 2.0, segment_ids: Tensor,
+                mask: Tensor | None = None) -> Tensor:
+    """Sequence-level masked importance sampling / rejection sampling (Seq-MIS; Liu, Li et al. 2025, "When
+    Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch"; verl's rollout_rs):
+
+    ρ_seq = Π_{t∈seq, mask_t} π_train(a_t) / π_engine(a_t),   w_t = ρ_seq · 1[ ρ_seq ≤ C ]
+    A whole sequence (segment_ids = traj_ids) whose product ratio exceeds C is rejected (weight 0) rather
+    than truncated; the rest keep their sequence weight. [N] -> [N], no gradient.
+    """
+    log_w = _log_weights(target_logp, behaviour_logp)
+    if log_w.numel() == 0:
+        return log_w
+    seg = segment_ids
+    sel = torch.ones_like(log_w, dtype=torch.bool) if mask is None else mask.bool()
+    total = torch.zeros(int(seg.max()) + 1, dtype=log_w.dtype, device=log_w.device)
+    total = total.index_add(0, seg, torch.where(sel, log_w, torch.zeros_like(log_w)))
+    rho = total.clamp(max=LOG_RATIO_LIMIT).exp()[seg]
+    return torch.where(rho <= cap, rho, torch.zeros_like(rho))
 
 
 def fresh_mask(versions: Tensor, current_version: int, bound: int) -> Tensor:

@@ -20,6 +20,7 @@ class Surrogate(NamedTuple):
     loss: Tensor  # float [N]: per-token loss to minimise (not masked, not aggregated)
     clipped: Tensor  # bool [N]: the PPO clip was active (A>0 & r>1+ε_high, or A<0 & r<1−ε_low): no gradient
     dual_clipped: Tensor  # bool [N]: A<0 & r>c: the loss is capped at −c·A, no gradient
+    ratio: Tensor | None = None  # float [N]: the ratio the loss used, for logging (set by POLICY_LOSSES)
 
 
 def clipped_surrogate(
