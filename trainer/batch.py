@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from datapool.records import EpisodeData, Group
+from datapool.records import EpisodeData, Group, Trajectory
 from trainer.algorithms import AdvantageInputs, group_index
 from trainer.tree_forward import PackedForest, pack_forest, training_nodes
 
@@ -36,6 +36,7 @@ class Batch:
     step_position: torch.Tensor  # int64 [S]: index of the step within its trajectory
     step_call: torch.Tensor  # int64 [S]: call index of the step
     step_reward: torch.Tensor  # float32 [S]: dense per-step reward
+    step_state: torch.Tensor  # int64 [S]: anchor-state id: equal for steps whose observation tokens are equal
     token_rows: dict[tuple[int, int], int]  # (episode, call_index) -> the step row that owns the call's tokens
     group_ids: list[str]  # every claimed group, trained or skipped (all are consumed)
     sessions: dict[str, list[str]]  # group id -> its session ids
@@ -53,7 +54,8 @@ class Batch:
     def advantage_inputs(self, values: torch.Tensor | None = None) -> AdvantageInputs:
         return AdvantageInputs(outcome=self.outcome, episode_group=self.episode_group,
                                step_episode=self.step_episode, step_traj=self.step_traj,
-                               step_position=self.step_position, step_reward=self.step_reward, values=values)
+                               step_position=self.step_position, step_reward=self.step_reward, values=values,
+                               step_state=self.step_state)
 
 
 @dataclass
@@ -91,7 +93,8 @@ def build_batch(groups: list[Group], keep_group: Callable[[Group], str | None] =
             skipped[reason] += 1
             continue
         episodes.extend(ep for ep in group.episodes if ep.trajectories and keep_episode(ep))
-    rows: dict[str, list] = {k: [] for k in ("episode", "traj", "position", "reward", "call")}
+    rows: dict[str, list] = {k: [] for k in ("episode", "traj", "position", "reward", "call", "state")}
+    states: dict[bytes, int] = {}
     token_rows: dict[tuple[int, int], int] = {}
     traj_counter = 0
     for e, ep in enumerate(episodes):
@@ -103,6 +106,7 @@ def build_batch(groups: list[Group], keep_group: Callable[[Group], str | None] =
                 rows["position"].append(position)
                 rows["reward"].append(step.reward)
                 rows["call"].append(step.call_index)
+                rows["state"].append(states.setdefault(observation(traj, position), len(states)))
             traj_counter += 1
     return Batch(
         episodes=episodes,
@@ -113,11 +117,19 @@ def build_batch(groups: list[Group], keep_group: Callable[[Group], str | None] =
         step_position=torch.tensor(rows["position"], dtype=torch.int64),
         step_reward=torch.tensor(rows["reward"], dtype=torch.float32),
         step_call=torch.tensor(rows["call"], dtype=torch.int64),
+        step_state=torch.tensor(rows["state"], dtype=torch.int64),
         token_rows=token_rows,
         group_ids=[g.group_id for g in groups],
         sessions={g.group_id: [ep.info.session_id for ep in g.episodes] for g in groups},
         skipped=skipped,
     )
+
+
+def observation(traj: Trajectory, position: int) -> bytes:
+    """The anchor state of a trajectory's step (GiGPO): the tokens the harness added since the previous
+    action (the whole prompt for the first step), as bytes; equal bytes = the same observed state."""
+    start = traj.steps[position - 1].action_end if position else 0
+    return traj.tokens[start:traj.steps[position].action_start].tobytes()
 
 
 def token_view(batch: Batch, episode_indices: list[int]) -> TokenView:

@@ -150,9 +150,8 @@ def test_forks_share_the_episode_outcome() -> None:
 
 def test_no_nan_anywhere_on_degenerate_batches() -> None:
     x = one_step_each(torch.tensor([3.0]), torch.tensor([0]))
+    x = AdvantageInputs(**{**x.__dict__, "values": torch.tensor([0.0]), "step_state": torch.tensor([0])})
     for name, fn in ADVANTAGES.items():
-        if name == "gae":
-            x = AdvantageInputs(**{**x.__dict__, "values": torch.tensor([0.0])})
         adv = fn(x)
         assert not torch.isnan(adv).any(), name
         assert math.isfinite(float(adv.sum()))
@@ -181,3 +180,21 @@ def test_reinforce_pp_uses_discounted_step_rewards() -> None:
     # without step rewards and γ = 1 every step of an episode gets its episode's value: [1, 1, -1]·(0.5/0.7071)
     plain = AdvantageInputs(**{**x.__dict__, "step_reward": None})
     close(ADVANTAGES["reinforce_pp"](plain), [0.70711, 0.70711, -0.70711])
+
+
+def test_gigpo_adds_step_groups_of_equal_anchor_states() -> None:
+    # group 0: e0 visits states [S0, S1], R = 1; e1 [S0, S1], R = 0; e2 [S0, S2], R = 1. group 1: e3 [S1], R = 5.
+    # episode level (no std): mean_g0 R = 2/3 -> A^E = [1/3, −2/3, 1/3], e3 alone -> 0
+    # returns, γ = 0.5, no step rewards: e0 [0.5, 1], e1 [0, 0], e2 [0.5, 1], e3 [5]
+    # step groups: (g0, S0) = [0.5, 0, 0.5] mean 1/3 -> [1/6, −1/3, 1/6]; (g0, S1) = [1, 0] -> [0.5, −0.5];
+    #   (g0, S2) and (g1, S1) are visited once -> 0 (S1 of group 1 is not pooled with group 0's S1)
+    # A = A^E + 0.5·A^S: e0 [1/3 + 1/12, 1/3 + 1/4], e1 [−2/3 − 1/6, −2/3 − 1/4], e2 [1/3 + 1/12, 1/3], e3 [0]
+    x = AdvantageInputs(outcome=torch.tensor([1.0, 0.0, 1.0, 5.0]), episode_group=torch.tensor([0, 0, 0, 1]),
+                        step_episode=torch.tensor([0, 0, 1, 1, 2, 2, 3]),
+                        step_traj=torch.tensor([0, 0, 1, 1, 2, 2, 3]),
+                        step_position=torch.tensor([0, 1, 0, 1, 0, 1, 0]),
+                        step_state=torch.tensor([10, 11, 10, 11, 10, 12, 11]))
+    adv = ADVANTAGES["gigpo"](x, step_weight=0.5, gamma=0.5, scale_by_std=False)
+    close(adv, [5 / 12, 7 / 12, -5 / 6, -11 / 12, 5 / 12, 1 / 3, 0.0])
+    with pytest.raises(ValueError, match="step_state"):
+        ADVANTAGES["gigpo"](one_step_each())

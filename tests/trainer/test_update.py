@@ -182,3 +182,15 @@ def test_every_policy_loss_and_is_correction_runs(tiny_model_dir: Path, tmp_path
     assert math.isfinite(m["policy_loss"]) and m["grad_norm"] > 0
     assert 0 < m["sapo_active_frac_mean"] < 1
     assert 0 <= m["is_weight_min"] <= m["is_weight_max"] <= 5.0
+
+
+def test_anchor_states_come_from_the_observation_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # toy episodes: step 0 observes its group's prompt, step 1 observes [7, 8] (added after the action)
+    batch = build_batch(toy_groups(2))
+    first = batch.step_state[batch.step_position == 0].view(2, 4)  # rows: groups; one id per group's prompt
+    assert (first == first[:, :1]).all() and first[0, 0] != first[1, 0]
+    second = batch.step_state[batch.step_position == 1]
+    assert (second == second[0]).all() and second[0] not in first
+    cfg, policy = policy_for(tiny_model_dir, tmp_path, advantage="gigpo", advantage_args={"gamma": 0.9})
+    m = update(policy, batch, objective(cfg, 0, False), version=0)
+    assert math.isfinite(m["policy_loss"]) and m["adv_max"] > 0

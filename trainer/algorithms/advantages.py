@@ -28,6 +28,7 @@ class AdvantageInputs:
     step_position: Tensor  # long [S]: 0..T-1, the step's index within its trajectory
     step_reward: Tensor | None = None  # float [S]: dense per-step reward (None = no dense rewards)
     values: Tensor | None = None  # float [S]: critic V(s_t) at each step's state boundary (GAE only)
+    step_state: Tensor | None = None  # long [S]: anchor-state id of each step (equal ids = same observation; GiGPO)
 
 
 def group_index(keys: Sequence[str]) -> Tensor:
@@ -214,6 +215,30 @@ def turn_discount(x: AdvantageInputs, *, gamma: float = 0.9, scale_by_std: bool 
     return torch.pow(torch.tensor(gamma, dtype=x.outcome.dtype), power) * grpo(x, scale_by_std=scale_by_std, eps=eps)
 
 
+@torch.no_grad()
+def gigpo(x: AdvantageInputs, *, step_weight: float = 1.0, gamma: float = 0.95, scale_by_std: bool = True,
+          eps: float = 1e-6) -> Tensor:
+    """GiGPO, group-in-group policy optimisation (Feng et al. 2025, arXiv:2505.10978; "GiGPPO" in the summary of
+    Apple's planning-grounding UI agent): an episode-level and a step-level group-relative advantage.
+
+    A_t = A^E_i + ω · A^S_t
+    A^E_i: GRPO over the episode outcomes of the group (task × harness).
+    A^S_t: GRPO over the step group of t, all steps of the group's episodes whose anchor state (step_state:
+    the observation the step acted on) is the same, of their discounted returns
+    G_t = Σ_{k≥t} γ^{k−t} r_k (r_k = dense step reward + R_i on the last step). A state visited once gives 0.
+    """
+    if x.step_state is None:
+        raise ValueError("gigpo needs step_state [S], the anchor-state id of each step")
+    row, _, last = _grid(x)
+    reward = _step_rewards(x) + torch.where(last, x.outcome[x.step_episode], torch.zeros_like(x.outcome[x.step_episode]))
+    returns = _discounted_suffix_sum(reward, row, x.step_position, gamma)
+    group, _ = compact(x.episode_group)
+    state, num_states = compact(x.step_state)
+    step_group = group[x.step_episode] * num_states + state  # same task × harness and the same anchor state
+    step_adv = group_normalize(returns, step_group, scale_by_std=scale_by_std, eps=eps)
+    return grpo(x, scale_by_std=scale_by_std, eps=eps) + step_weight * step_adv
+
+
 ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "grpo": grpo,
     "dr_grpo": dr_grpo,
@@ -222,4 +247,5 @@ ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "gae": step_gae,
     "dense": dense,
     "turn_discount": turn_discount,
+    "gigpo": gigpo,
 }
