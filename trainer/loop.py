@@ -200,7 +200,8 @@ def objective(cfg: TrainerConfig, update_index: int, offline: bool) -> Objective
     return Objective(
         mode=cfg.mode, advantage=cfg.advantage, advantage_args=dict(cfg.advantage_args), ratio=cfg.ratio,
         policy_loss=cfg.policy_loss, sapo_coef=cfg.sapo_coef, sapo_tau=cfg.sapo_tau,
-        is_correction=cfg.is_correction, is_floor=cfg.is_floor, aggregation=cfg.loss_aggregation, token_norm=cfg.loss_token_norm, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+        is_correction=cfg.is_correction, is_floor=cfg.is_floor, aggregation=cfg.loss_aggregation,
+        token_norm=cfg.loss_token_norm, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
         old_logprobs=cfg.old_logprobs, tis_cap=cfg.tis_cap, tis_level=cfg.tis_level, kl_coef=cfg.kl_coef,
         kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, value_coef=cfg.value_coef,
         value_clip=cfg.value_clip, critic_only=update_index < cfg.critic_warmup_updates and cfg.critic,

@@ -102,6 +102,12 @@ def _step_rewards(x: AdvantageInputs) -> Tensor:
     return torch.zeros_like(x.step_position, dtype=x.outcome.dtype) if x.step_reward is None else x.step_reward
 
 
+def _rewards_with_outcome(x: AdvantageInputs, last: Tensor) -> Tensor:
+    """r_t [S]: the dense step reward, plus the episode's outcome on the trajectory's last step."""
+    outcome = x.outcome[x.step_episode]
+    return _step_rewards(x) + torch.where(last, outcome, torch.zeros_like(outcome))
+
+
 # --- registered estimators: (x, **hyper) -> [S] ------------------------------------------------
 
 
@@ -139,8 +145,7 @@ def reinforce_pp(x: AdvantageInputs, *, group_baseline: bool = True, gamma: floa
     γ = 1 it is the std over episodes. Not re-centred: zero-variance groups without step rewards stay 0.
     """
     row, _, last = _grid(x)
-    reward = _step_rewards(x) + torch.where(last, x.outcome[x.step_episode], torch.zeros_like(x.outcome[x.step_episode]))
-    returns = _discounted_suffix_sum(reward, row, x.step_position, gamma)
+    returns = _discounted_suffix_sum(_rewards_with_outcome(x, last), row, x.step_position, gamma)
     if group_baseline:  # R_i − b_i, exactly 0 in groups whose outcomes are all equal
         outcome_centred = group_normalize(x.outcome, x.episode_group, scale_by_std=False)
     else:
@@ -230,8 +235,7 @@ def gigpo(x: AdvantageInputs, *, step_weight: float = 1.0, gamma: float = 0.95, 
     if x.step_state is None:
         raise ValueError("gigpo needs step_state [S], the anchor-state id of each step")
     row, _, last = _grid(x)
-    reward = _step_rewards(x) + torch.where(last, x.outcome[x.step_episode], torch.zeros_like(x.outcome[x.step_episode]))
-    returns = _discounted_suffix_sum(reward, row, x.step_position, gamma)
+    returns = _discounted_suffix_sum(_rewards_with_outcome(x, last), row, x.step_position, gamma)
     group, _ = compact(x.episode_group)
     state, num_states = compact(x.step_state)
     step_group = group[x.step_episode] * num_states + state  # same task × harness and the same anchor state
