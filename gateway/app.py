@@ -30,7 +30,9 @@ from gateway.frontends.session_routes import SessionRoutes
 from gateway.metrics import metrics_routes
 from gateway.recorder import Recorder
 from gateway.sessions import SessionStore
+from gateway.profile import detect
 from gateway.templating import load_template
+from gateway.tool_prompt import injector
 from gateway.weights import WeightGate
 
 log = logging.getLogger(__name__)
@@ -87,9 +89,14 @@ def _model_route(core: Core, handler: Handler) -> Callable[[web.Request], Awaita
 
 def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Recorder, gate: WeightGate,
                model_dir: Path) -> web.Application:
-    template = load_template(model_dir)
-    sessions = SessionStore(template, settings.strict_template, settings.max_live_sessions)
-    core = Core(settings, router, recorder, gate, template, sessions)
+    template = load_template(model_dir, settings.eot_token)
+    profile = detect(template, settings.tool_parser, settings.reasoning_parser)
+    log.info("model profile: %s", profile.describe())
+    if settings.inject_tools and not profile.tools_supported:
+        template = template.with_tool_injection(injector(profile.tool_parser))
+    strict = settings.strict_template or not profile.append_only
+    sessions = SessionStore(template, strict, settings.max_live_sessions)
+    core = Core(settings, router, recorder, gate, template, sessions, profile)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
     app[CORE_KEY] = core
     app.cleanup_ctx.append(_reaping(core))

@@ -26,6 +26,7 @@ from aiohttp import web
 from datapool.base import Pool
 from gateway.engines import ENGINE_KINDS, EngineRouter, make_engine
 from gateway.engines.probe import EngineMismatch, check_engines
+from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
 from gateway.recorder import Recorder
 from gateway.weights import WeightGate
 
@@ -142,6 +143,15 @@ async def running_gateway(
     default=lambda: os.environ.get("STEPLINE_ENGINE_TOKEN"),
     help="Bearer token for the engines (their control endpoints) [env STEPLINE_ENGINE_TOKEN].",
 )
+@click.option("--tool-parser", type=click.Choice(list(TOOL_PARSERS)), default=None,
+              help="Tool-call parser (SGLang/vLLM --tool-call-parser names); default: detected from the template.")
+@click.option("--reasoning-parser", type=click.Choice(list(REASONING_PARSERS)), default=None,
+              help="Reasoning parser (SGLang/vLLM --reasoning-parser names); default: detected from the template.")
+@click.option("--eot-token", default=None,
+              help="End-of-turn token; default: the special token the template writes after an assistant turn.")
+@click.option("--inject-tools", is_flag=True,
+              help="For templates that cannot show tools: render them into the system message (and tool calls / "
+              "results as text) in the tool parser's format. Without it such requests get 400.")
 @click.option("--engine-timeout", default=600.0, show_default=True, help="Seconds an engine call may take.")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
 def gateway_command(
@@ -156,6 +166,10 @@ def gateway_command(
     model_name: str,
     context_length: int | None,
     strict_template: bool,
+    tool_parser: str | None,
+    reasoning_parser: str | None,
+    eot_token: str | None,
+    inject_tools: bool,
     engine_token: str | None,
     engine_timeout: float,
     initial_version: int,
@@ -173,6 +187,10 @@ def gateway_command(
         model_name=model_name,
         strict_template=strict_template,
         context_length=context_length,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
+        eot_token=eot_token,
+        inject_tools=inject_tools,
     )
     if admin_token is None:
         log.warning("no --admin-token: /admin/* and POST /sessions are open to anyone who can reach port %d", port)
@@ -183,7 +201,7 @@ def gateway_command(
     try:
         asyncio.run(_serve(settings, list(engines), engine_kind, model_dir, pool, engine_timeout, initial_version,
                            engine_token))
-    except EngineMismatch as exc:
+    except (EngineMismatch, ValueError) as exc:  # ValueError: an --eot-token not in the tokenizer, --inject-tools
         raise click.ClickException(str(exc)) from exc
     except OSError as exc:
         raise click.ClickException(f"cannot serve on {host}:{port}: {exc}") from exc
@@ -201,6 +219,9 @@ async def _serve(
         loop.add_signal_handler(sig, stop.set)
     async with running_gateway(settings, engines, model_dir, pool, kind, timeout, version,
                                engine_token=engine_token) as gw:
+        from gateway.app import CORE_KEY
+
         print(f"stepline gateway on {gw.url} -> {', '.join(engines)} ({kind}); Ctrl-C stops", flush=True)
+        print(f"model: {gw.app[CORE_KEY].profile.describe()}", flush=True)
         await stop.wait()
         log.info("stopping: finishing in-flight calls and flushing records to the pool")

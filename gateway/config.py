@@ -44,4 +44,12 @@ class GatewaySettings(BaseModel):
     retry_after: float = Field(1.0, ge=0, description="Retry-After (s) on 503 answers of the gateway itself")
     public_url: str | None = Field(None, description="base URL handed to harnesses; None: from the request's Host")
     model_name: str = Field("stepline", description="the model id GET /v1/models lists and answers carry")
-    parser: str | None = Field(None, description="output parser family (qwen3, hermes, none); None: from the model")
+    tool_parser: str | None = Field(None, description="tool-call parser (gateway.parsers.TOOL_PARSERS); None: detected")
+    reasoning_parser: str | None = Field(
+        None, description="reasoning parser (gateway.parsers.REASONING_PARSERS); None: detected"
+    )
+    eot_token: str | None = Field(None, description="end-of-turn token; None: the one the chat template writes")
+    inject_tools: bool = Field(
+        False, description="for templates that cannot show tools: render them into the system message "
+        "(and calls / results as text) in the tool parser's format; off: such requests get 400"
+    )

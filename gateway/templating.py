@@ -9,11 +9,22 @@ directly (fast, no Python loop).
 renders them behind a fixed two-message stand-in history whose assistant turn carries a sentinel, and
 keeps the text after that turn's end-of-turn marker. The stand-in makes the cost follow the new
 messages, not the conversation's length.
+
+The end-of-turn marker is read from the template itself (the special token it writes right after an
+assistant turn), not from `eos_token` alone: Llama 3's package names the base model's
+`<|end_of_text|>` there while its template closes turns with `<|eot_id|>`. Every id that ends an
+answer (that marker, `eos_token`, `generation_config.json` / `config.json` eos ids) is a stop id.
+
+`with_tool_injection` gives a copy that renders tools into the system message, assistant tool calls
+as the family's call text and tool results as user turns, for templates that cannot show tools
+(`gateway.tool_prompt`); an explicit opt-in of the operator.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -59,7 +70,9 @@ class ChatTemplate:
     """Render conversations with the model's template and turn text into token ids and back."""
 
     def __init__(self, source: str, tokenizer: Tokenizer, eos_token: str, stop_token_ids: list[int],
-                 context_length: int, model_type: str = "") -> None:
+                 context_length: int, model_type: str = "", bos_token: str = "",
+                 template_eos: str | None = None) -> None:
+        self.source = source
         self.template = compile_template(source)
         self.tokenizer = tokenizer
         self.eos_token = eos_token  # the end-of-turn marker the template writes after each assistant turn
@@ -70,9 +83,19 @@ class ChatTemplate:
         self.stop_token_ids = sorted({eos_id, *stop_token_ids})
         self.context_length = context_length
         self.model_type = model_type
+        self.bos_token = bos_token  # the template's `bos_token` (Llama, Gemma write it; rendered, not added)
+        self.template_eos = eos_token if template_eos is None else template_eos  # the template's `eos_token`
+        self.inject: Callable[[list[Message], list[dict] | None], list[Message]] | None = None
+
+    def with_tool_injection(self, inject: Callable[[list[Message], list[dict] | None], list[Message]]) -> ChatTemplate:
+        """A copy whose renders pass the messages through `inject(messages, tools)` (and no tools)."""
+        twin = copy.copy(self)
+        twin.inject = inject
+        return twin
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path | str) -> ChatTemplate:
+    def from_model_dir(cls, model_dir: Path | str, eot_token: str | None = None) -> ChatTemplate:
+        """`eot_token`: the end-of-turn token (None: read from the template, else `eos_token`)."""
         model_dir = Path(model_dir)
         tok_config = _read_json(model_dir / "tokenizer_config.json")
         source = tok_config.get("chat_template")
@@ -82,23 +105,28 @@ class ChatTemplate:
             raise ValueError(f"{model_dir} has no chat template (chat_template.jinja or tokenizer_config.json)")
         config = _read_json(model_dir / "config.json")
         gen_config = _read_json(model_dir / "generation_config.json")
-        eos = tok_config.get("eos_token")
-        if isinstance(eos, dict):
-            eos = eos.get("content")
+        eos, bos = _token(tok_config.get("eos_token")), _token(tok_config.get("bos_token")) or ""
         stop_ids = _as_list(gen_config.get("eos_token_id")) + _as_list(config.get("eos_token_id"))
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        if not isinstance(eos, str):
+        if eos is None:
             eos = tokenizer.id_to_token(stop_ids[0])
+        if (eos_id := tokenizer.token_to_id(eos)) is not None:
+            stop_ids.append(eos_id)
         context = int(config.get("max_position_embeddings") or tok_config.get("model_max_length") or 4096)
-        return cls(source, tokenizer, eos, stop_ids, context, str(config.get("model_type", "")))
+        model_type = str(config.get("model_type") or config.get("text_config", {}).get("model_type", ""))
+        probe = cls(source, tokenizer, eos, stop_ids, context, model_type, bos, eos)
+        eot = eot_token or end_of_turn(probe) or eos
+        return cls(source, tokenizer, eot, stop_ids, context, model_type, bos, eos)
 
     def render(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool,
                options: dict[str, Any] | None = None) -> str:
         """`options`: extra template variables (a request's chat_template_kwargs, e.g. enable_thinking)."""
+        if self.inject is not None:
+            messages, tools = self.inject(messages, tools), None
         try:
             return self.template.render(
                 **(options or {}), messages=messages, tools=tools or None,
-                add_generation_prompt=add_generation_prompt, bos_token="", eos_token=self.eos_token,
+                add_generation_prompt=add_generation_prompt, bos_token=self.bos_token, eos_token=self.template_eos,
             )
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(f"the chat template rejected the conversation: {exc}") from exc
@@ -125,15 +153,35 @@ class ChatTemplate:
 
 
 @lru_cache(maxsize=4)
-def _cached(path: str, mtime: float) -> ChatTemplate:
-    return ChatTemplate.from_model_dir(path)
+def _cached(path: str, mtime: float, eot_token: str | None) -> ChatTemplate:
+    return ChatTemplate.from_model_dir(path, eot_token)
 
 
-def load_template(model_dir: Path | str) -> ChatTemplate:
+def load_template(model_dir: Path | str, eot_token: str | None = None) -> ChatTemplate:
     """`ChatTemplate.from_model_dir`, shared by the apps of one process (parsing tokenizer.json takes
     about a second for a 150k vocabulary). Read-only after loading, so sharing is safe."""
     path = Path(model_dir).resolve()
-    return _cached(str(path), (path / "tokenizer.json").stat().st_mtime)
+    return _cached(str(path), (path / "tokenizer.json").stat().st_mtime, eot_token)
+
+
+def end_of_turn(template: ChatTemplate) -> str | None:
+    """The special token the template writes right after an assistant turn's text (longest match), or
+    None when the probe cannot render or no special token follows."""
+    try:
+        text = template.render(_STAND_IN, None, add_generation_prompt=False)
+    except TemplateError:
+        return None
+    at = text.find(_SENTINEL)
+    after = text[at + len(_SENTINEL):] if at >= 0 else ""
+    specials = [t.content for t in template.tokenizer.get_added_tokens_decoder().values() if t.special]
+    found = [s for s in specials if s and after.startswith(s)]
+    return max(found, key=len) if found else None
+
+
+def _token(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

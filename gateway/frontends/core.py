@@ -26,8 +26,9 @@ from gateway import metrics
 from gateway.config import GatewaySettings
 from gateway.engines import EngineError, EngineRouter, EngineUnavailable, Generation, SamplingParams, StreamDelta
 from gateway.frontends.errors import ApiError, from_validation, invalid
-from gateway.parsers import make_parser, parser_family
-from gateway.parsers.base import StreamParser
+from gateway.parsers import make_parser
+from gateway.parsers.base import StreamParser, ToolSpecs
+from gateway.profile import ModelProfile
 from gateway.recorder import Recorder
 from gateway.sessions import Session, SessionStore
 from gateway.templating import ChatTemplate
@@ -83,14 +84,14 @@ def bearer_key(request: web.Request) -> str | None:
 
 class Core:
     def __init__(self, settings: GatewaySettings, router: EngineRouter, recorder: Recorder, gate: WeightGate,
-                 template: ChatTemplate, sessions: SessionStore) -> None:
+                 template: ChatTemplate, sessions: SessionStore, profile: ModelProfile) -> None:
         self.settings = settings
         self.router = router
         self.recorder = recorder
         self.gate = gate
         self.template = template
         self.sessions = sessions
-        self.parser_family = settings.parser or parser_family(template.model_type)
+        self.profile = profile
         self.context_length = settings.context_length or template.context_length
         self._overloaded = ApiError(503, "the gateway's record queue is full; retry shortly",
                                     retry_after=settings.retry_after)
@@ -178,8 +179,17 @@ class Core:
                           f"{self.context_length}", param="messages", code="context_length_exceeded")
         return min(requested or self.settings.default_max_tokens, room)
 
-    def parser(self, tools_enabled: bool, tool_names: list[str] | None) -> StreamParser:
-        return make_parser(self.parser_family, tools_enabled, tool_names)
+    def parser(self, tools_enabled: bool, tools: ToolSpecs) -> StreamParser:
+        p = self.profile
+        return make_parser(p.tool_parser, p.reasoning_parser, tools_enabled, tools, p.reasoning_forced)
+
+    def check_tools(self, tools: list[dict] | None) -> None:
+        """400 when the request offers tools that the template would silently drop."""
+        if tools and not self.profile.tools_supported and self.template.inject is None:
+            raise invalid("this model's chat template cannot show tools to the model, so they would be silently "
+                          "dropped; start the gateway with --inject-tools to render them into the system message "
+                          f"in the {self.profile.tool_parser} tool-call format", param="tools",
+                          code="tools_unsupported")
 
     # --- dispatch ---
     async def generate(self, session: Session, prompt_ids: np.ndarray,

@@ -81,6 +81,7 @@ def assistant_message(parsed: ParsedOutput) -> Message:
 
 
 def build_prompt(core: Core, session: Session, call: ChatCall) -> tuple[Prompt, list[SamplingParams]]:
+    core.check_tools(call.tools)
     try:
         prompt = session.tokens.prompt_for(call.messages, call.tools, call.template_options)
     except TemplateError as exc:
@@ -100,8 +101,8 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 def _parser(core: Core, call: ChatCall) -> StreamParser:
-    names = [t["function"]["name"] for t in call.tools or []]
-    return core.parser(call.tools_enabled and bool(names), names)
+    specs = {t["function"]["name"]: t["function"].get("parameters") or {} for t in call.tools or []}
+    return core.parser(call.tools_enabled and bool(specs), specs)
 
 
 async def run(core: Core, session: Session, call: ChatCall, raw: bytes, emitter: Emitter) -> dict:

@@ -1,42 +1,81 @@
 """Output parsers, pluggable per model family: reasoning and tool calls out of sampled text.
 
-`PARSERS` maps a family name to a factory of incremental parsers; `parser_family(model_type)` picks
-the family for a model's `config.json` model_type. To add a family, write a class with `feed` and
-`finish` (see `StreamParser`) and add a row.
+Two registries, named as SGLang's and vLLM's `--tool-call-parser` / `--reasoning-parser` values are,
+so a serving flag carries over:
+
+- `TOOL_PARSERS`: name -> `ToolFormat` (one small module per family; None: no tool calls).
+- `REASONING_PARSERS`: name -> `ReasoningFormat` (None: no reasoning markers).
+
+`make_parser` combines one of each into an incremental `StreamParser` for one answer
+(`gateway.parsers.stream`). `gateway.profile` picks both for a model directory. To add a family, write
+a module with a `ToolFormat` and add a row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from gateway.parsers import deepseek, glm45, hermes, kimi_k2, llama3, mistral, pythonic, qwen3_coder
+from gateway.parsers.base import Event, ParsedOutput, StreamParser, ToolCall, ToolFormat, ToolSpecs, collect
+from gateway.parsers.stream import OutputParser, ReasoningFormat, ToolStage
 
-from gateway.parsers.base import Event, ParsedOutput, StreamParser, ToolCall, collect
-from gateway.parsers.hermes import HermesStreamParser
+__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "Event", "ParsedOutput", "ReasoningFormat", "StreamParser", "ToolCall",
+           "ToolFormat", "UnknownParser", "check_names", "make_parser", "parse_text"]
 
-__all__ = ["PARSERS", "Event", "ParsedOutput", "ParserFactory", "StreamParser", "ToolCall", "make_parser",
-           "parse_text", "parser_family"]
-
-# factory(tools_enabled, tool_names) -> a fresh StreamParser for one answer
-ParserFactory = Callable[[bool, Collection[str] | None], StreamParser]
-
-PARSERS: dict[str, ParserFactory] = {
-    "qwen3": lambda tools, names: HermesStreamParser(reasoning=True, tools_enabled=tools, tool_names=names),
-    "hermes": lambda tools, names: HermesStreamParser(reasoning=True, tools_enabled=tools, tool_names=names),
-    "none": lambda tools, names: HermesStreamParser(reasoning=False, tools_enabled=False),
+TOOL_PARSERS: dict[str, ToolFormat | None] = {
+    "hermes": hermes.FORMAT,
+    "qwen25": hermes.FORMAT,
+    "qwen": hermes.FORMAT,
+    "qwen3_coder": qwen3_coder.FORMAT,
+    "llama3": llama3.FORMAT,
+    "llama3_json": llama3.FORMAT,
+    "mistral": mistral.FORMAT,
+    "pythonic": pythonic.FORMAT,
+    "llama4_pythonic": pythonic.FORMAT,
+    "deepseekv3": deepseek.V3,
+    "deepseekv31": deepseek.V31,
+    "kimi_k2": kimi_k2.FORMAT,
+    "glm": glm45.FORMAT,
+    "glm45": glm45.FORMAT,
+    "glm47": glm45.FORMAT,
+    "none": None,
 }
 
-_FAMILY_OF_MODEL_TYPE = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen2": "hermes", "qwen2_moe": "hermes"}
+_THINK = ("<think>", "</think>")
+REASONING_PARSERS: dict[str, ReasoningFormat | None] = {
+    "qwen3": ReasoningFormat(*_THINK),
+    "qwen3-thinking": ReasoningFormat(*_THINK, forced=True),
+    "deepseek-r1": ReasoningFormat(*_THINK, forced=True),
+    "deepseek-v3": ReasoningFormat(*_THINK),
+    "glm45": ReasoningFormat(*_THINK),
+    "kimi_k2": ReasoningFormat(*_THINK),
+    "kimi": ReasoningFormat("◁think▷", "◁/think▷"),
+    "step3": ReasoningFormat(*_THINK, forced=True),
+    "mistral": ReasoningFormat("[THINK]", "[/THINK]"),
+    "none": None,
+}
 
 
-def parser_family(model_type: str) -> str:
-    return _FAMILY_OF_MODEL_TYPE.get(model_type, "hermes")
+class UnknownParser(ValueError):
+    """A parser name that is not in its registry (the message lists the known ones)."""
 
 
-def make_parser(family: str, tools_enabled: bool, tool_names: Collection[str] | None) -> StreamParser:
-    return PARSERS[family](tools_enabled, tool_names)
+def check_names(tool_parser: str, reasoning_parser: str) -> None:
+    if tool_parser not in TOOL_PARSERS:
+        raise UnknownParser(f"unknown tool parser {tool_parser!r}; known: {', '.join(TOOL_PARSERS)}")
+    if reasoning_parser not in REASONING_PARSERS:
+        raise UnknownParser(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
 
 
-def parse_text(text: str, family: str = "hermes", tools_enabled: bool = True,
-               tool_names: Collection[str] | None = None) -> ParsedOutput:
+def make_parser(tool_parser: str, reasoning_parser: str, tools_enabled: bool, tools: ToolSpecs,
+                in_reasoning: bool = False) -> StreamParser:
+    """A fresh parser for one answer. `tools`: the offered tools (name -> parameters schema; None: any
+    name); `in_reasoning`: the prompt already opened the reasoning block."""
+    check_names(tool_parser, reasoning_parser)
+    stage = ToolStage(TOOL_PARSERS[tool_parser], tools, tools_enabled)
+    return OutputParser(REASONING_PARSERS[reasoning_parser], stage, in_reasoning)
+
+
+def parse_text(text: str, tool_parser: str = "hermes", reasoning_parser: str = "qwen3", tools_enabled: bool = True,
+               tools: ToolSpecs = None) -> ParsedOutput:
     """Parse a whole answer (one delta of the incremental parser)."""
-    parser = make_parser(family, tools_enabled, tool_names)
+    parser = make_parser(tool_parser, reasoning_parser, tools_enabled, tools)
     return collect(parser.feed(text) + parser.finish())

@@ -16,7 +16,7 @@ CALL = '<tool_call>\n{"name": "get", "arguments": {"q": "x"}}\n</tool_call>'
 
 def test_reasoning_content_and_tool_calls() -> None:
     out = parse_text("<think>\nplan\n</think>\n\nLooking." + "\n" + CALL + "\n" + CALL.replace('"x"', '"y"'),
-                     tool_names=["get"])
+                     tools={"get": {}})
     assert out.reasoning == "plan"
     assert out.content == "Looking."
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get", {"q": "x"}), ("get", {"q": "y"})]
@@ -39,7 +39,7 @@ def test_malformed_tool_calls_come_back_as_text() -> None:
     unknown = '<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>'
     unclosed = '<tool_call>\n{"name": "get", "arguments": {"q": "x"}}'
     for text in (bad_json, unknown, unclosed):
-        out = parse_text(text, tool_names=["get"])
+        out = parse_text(text, tools={"get": {}})
         assert out.tool_calls == [] and out.content == text
 
 
@@ -62,13 +62,13 @@ PIECES = ["<think>", "\n", "plan", "</think>", "\n\n", "Hi", " ", "<tool_call>",
 def test_any_split_of_a_stream_parses_like_the_whole(pieces: list[str], data: st.DataObject) -> None:
     text = "".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
-    parser = make_parser("qwen3", True, ["get"])
+    parser = make_parser("hermes", "qwen3", True, {"get": {}})
     events = []
     last = 0
     for cut in cuts + [len(text)]:
         events += parser.feed(text[last:cut])
         last = cut
     events += parser.finish()
-    streamed, whole = collect(events), parse_text(text, "qwen3", True, ["get"])
+    streamed, whole = collect(events), parse_text(text, "hermes", "qwen3", True, {"get": {}})
     assert (streamed.content, streamed.reasoning) == (whole.content, whole.reasoning)
     assert [(c.name, c.arguments) for c in streamed.tool_calls] == [(c.name, c.arguments) for c in whole.tool_calls]

@@ -1,0 +1,180 @@
+"""The incremental machine that runs any family's reasoning markers and tool-call format.
+
+One state machine serves both streamed and whole answers (a whole answer is one delta), so the two can
+never disagree. `OutputParser` is a reasoning stage (reasoning → content) feeding a tool stage
+(content ⇄ call region). Text that might be the start of a marker, and whitespace that the answer
+would drop at a boundary, are held back until the next delta decides. A call region that its format
+cannot parse (malformed, an unknown tool, never closed) comes back as text, never as an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.parsers.base import Event, ToolFormat, ToolSpecs, held_marker
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """Markers around a model's reasoning. `forced`: the answer starts inside reasoning (the template's
+    generation prompt already opened it, as DeepSeek-R1's and Qwen3-Thinking's do)."""
+
+    open: str
+    close: str
+    forced: bool = False
+
+
+class ToolStage:
+    """content ⇄ region. `tools_enabled=False` leaves every region as text."""
+
+    def __init__(self, fmt: ToolFormat | None, tools: ToolSpecs, tools_enabled: bool) -> None:
+        self.fmt = fmt if tools_enabled else None
+        self.tools = tools
+        self.buf = ""
+        self.region: tuple[str, str | None] | None = None  # (open marker, close marker) while inside one
+        self.started = False  # has any content been emitted
+
+    def feed(self, text: str, out: list[Event], final: bool = False) -> None:
+        self.buf += text
+        while self._step(out, final):
+            pass
+
+    def finish(self, out: list[Event]) -> None:
+        self.feed("", out, final=True)
+        if self.region is not None:
+            marker, close = self.region
+            calls = self.fmt.parse(self.buf, self.tools) if self.fmt is not None and close is None else None
+            if calls is None:
+                self._content(out, (marker + self.buf).rstrip())
+            else:
+                out.extend(Event("tool_call", tool_call=c) for c in calls)
+        elif self.buf.strip():
+            self._content(out, self.buf.rstrip())
+        self.buf, self.region = "", None
+
+    def _step(self, out: list[Event], final: bool) -> bool:
+        return self._step_region(out) if self.region is not None else self._step_content(out, final)
+
+    def _step_content(self, out: list[Event], final: bool) -> bool:
+        if not self.started:
+            self.buf = self.buf.lstrip()
+        fmt = self.fmt
+        if fmt is not None:
+            if not self.started and self.buf[:1] and self.buf[0] in fmt.bare_starts:
+                self.region = ("", None)
+                return True
+            found = [(at, m) for m in fmt.opens if (at := self.buf.find(m)) >= 0]
+            if found:
+                at, marker = min(found)
+                self._content(out, self.buf[:at].rstrip())
+                self.buf = self.buf[at + len(marker):]
+                self.region = (marker, fmt.opens[marker])
+                return True
+        if not final:
+            held = max((held_marker(self.buf, m) for m in fmt.opens), default=0) if fmt is not None else 0
+            body = self.buf[: len(self.buf) - held]
+            keep = held + len(body) - len(body.rstrip())
+            self._content(out, self.buf[: len(self.buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep:]
+        return False
+
+    def _step_region(self, out: list[Event]) -> bool:
+        assert self.region is not None and self.fmt is not None
+        marker, close = self.region
+        end = self.buf.find(close) if close is not None else -1
+        if close is None or end < 0:
+            return False  # to the end of the answer, or not closed yet
+        body = self.buf[:end]
+        self.buf = self.buf[end + len(close):]
+        self.region = None
+        calls = self.fmt.parse(body, self.tools)
+        if calls is None:
+            self._content(out, marker + body + close)
+        else:
+            out.extend(Event("tool_call", tool_call=c) for c in calls)
+        return True
+
+    def _content(self, out: list[Event], text: str) -> None:
+        if text:
+            out.append(Event("content", text))
+            self.started = True
+
+
+class OutputParser:
+    """A whole answer's parser: reasoning (if the family has markers), then content and tool calls.
+    States: start → reasoning? → content (handed to the tool stage)."""
+
+    def __init__(self, reasoning: ReasoningFormat | None, tools: ToolStage, in_reasoning: bool = False) -> None:
+        self.fmt = reasoning
+        self.tools = tools
+        forced = reasoning is not None and (reasoning.forced or in_reasoning)
+        self.state = "content" if reasoning is None else ("reasoning" if forced else "start")
+        self.buf = ""
+        self.started = False  # has any reasoning been emitted
+        self.opened = not forced  # forced starts take the model's own opener, if it writes one, as a marker
+
+    def feed(self, text: str) -> list[Event]:
+        self.buf += text
+        out: list[Event] = []
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        while self._step(out, final=True):
+            pass
+        if self.state == "reasoning":
+            self._reasoning(out, self.buf.rstrip("\n"))
+            self.buf = ""
+        self.tools.finish(out)
+        return out
+
+    def _step(self, out: list[Event], final: bool) -> bool:
+        if self.state == "start":
+            assert self.fmt is not None
+            stripped = self.buf.lstrip()
+            if stripped.startswith(self.fmt.open):
+                self.buf = stripped[len(self.fmt.open):]
+                self.state = "reasoning"
+                self.started = False
+                return True
+            if not final and self.fmt.open.startswith(stripped):
+                return False  # not decided yet ("", "<", "<thi"...)
+            self.state = "content"
+            return True
+        if self.state == "reasoning":
+            return self._step_reasoning(out, final)
+        self.tools.feed(self.buf, out)
+        self.buf = ""
+        return False
+
+    def _step_reasoning(self, out: list[Event], final: bool) -> bool:
+        assert self.fmt is not None
+        if not self.started:
+            self.buf = self.buf.lstrip("\n")
+        if not self.opened:
+            if not final and self.fmt.open.startswith(self.buf):
+                return False
+            self.opened = True
+            if self.buf.startswith(self.fmt.open):  # a forced start where the model still wrote the opener
+                self.buf = self.buf[len(self.fmt.open):].lstrip("\n")
+        end = self.buf.find(self.fmt.close)
+        if end >= 0:
+            self._reasoning(out, self.buf[:end].rstrip("\n"))
+            self.buf = self.buf[end + len(self.fmt.close):]
+            self.state = "content"
+            return True
+        if not final:
+            held = held_marker(self.buf, self.fmt.close)
+            body = self.buf[: len(self.buf) - held]
+            keep = held + len(body) - len(body.rstrip("\n"))  # newlines before a possible close marker too
+            if len(self.buf) > keep:
+                self._reasoning(out, self.buf[: len(self.buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep:]
+        return False
+
+    def _reasoning(self, out: list[Event], text: str) -> None:
+        if text or not self.started:  # an empty first event still tells that the answer had reasoning
+            out.append(Event("reasoning", text))
+        self.started = True
