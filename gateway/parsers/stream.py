@@ -33,6 +33,7 @@ class ToolStage:
         self.buf = ""
         self.region: tuple[str, str | None] | None = None  # (open marker, close marker) while inside one
         self.started = False  # has any content been emitted
+        self.gap = ""  # whitespace between the text and the open region (given back if it stays text)
 
     def feed(self, text: str, out: list[Event], final: bool = False) -> None:
         self.buf += text
@@ -45,7 +46,7 @@ class ToolStage:
             marker, close = self.region
             calls = self.fmt.parse(self.buf, self.tools) if self.fmt is not None and close is None else None
             if calls is None:
-                self._content(out, (marker + self.buf).rstrip())
+                self._content(out, (self._gap() + marker + self.buf).rstrip())
             else:
                 out.extend(Event("tool_call", tool_call=c) for c in calls)
         elif self.buf.strip():
@@ -66,7 +67,9 @@ class ToolStage:
             found = [(at, m) for m in fmt.opens if (at := self.buf.find(m)) >= 0]
             if found:
                 at, marker = min(found)
-                self._content(out, self.buf[:at].rstrip())
+                before = self.buf[:at]
+                self._content(out, before.rstrip())
+                self.gap = before[len(before.rstrip()):] if self.started else ""
                 self.buf = self.buf[at + len(marker):]
                 self.region = (marker, fmt.opens[marker])
                 return True
@@ -89,10 +92,14 @@ class ToolStage:
         self.region = None
         calls = self.fmt.parse(body, self.tools)
         if calls is None:
-            self._content(out, marker + body + close)
+            self._content(out, self._gap() + marker + body + close)
         else:
             out.extend(Event("tool_call", tool_call=c) for c in calls)
         return True
+
+    def _gap(self) -> str:
+        gap, self.gap = self.gap, ""
+        return gap
 
     def _content(self, out: list[Event], text: str) -> None:
         if text:
