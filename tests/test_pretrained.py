@@ -46,7 +46,7 @@ def test_smollm2_template_shows_tools_and_renders_tool_calls(smollm2_model_dir: 
     assistant = text.split("<|im_start|>assistant\n")[1]
     assert assistant.startswith('<tool_call>\n{"name": "search", "arguments": {"query": "Kagone"}}\n</tool_call>')
     # what the model would write is what the gateway's parser reads back
-    calls = parse_text(assistant.split("<|im_end|>")[0], tool_names=["search"])
+    calls = parse_text(assistant.split("<|im_end|>")[0], tools={"search": {}})
     assert [(c.name, json.loads(c.arguments)) for c in calls.tool_calls] == [("search", {"query": "Kagone"})]
 
 

@@ -69,7 +69,7 @@ def test_sft_policy_writes_tool_calls(finished_run: tuple[Path, dict]) -> None:
         first_turns: dict[str, list[bool]] = {}
         for harness, _prompt, output, _lp in _eval_actions(pool, 0):
             text = tok.decode(output, skip_special_tokens=True)
-            calls = parse_text(text, tool_names=TOOLS[harness]).tool_calls
+            calls = parse_text(text, tools=dict.fromkeys(TOOLS[harness], {})).tool_calls
             first_turns.setdefault(harness, []).append(bool(calls))
     finally:
         pool.close()
