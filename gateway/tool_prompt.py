@@ -6,8 +6,8 @@
   `<tools>` block otherwise).
 - An assistant turn's tool calls become the call text the model writes (`ToolFormat.render`), so a
   re-rendered history shows the model its own format.
-- Tool results become one user turn (`<tool_response>` blocks), which templates that only know
-  user/assistant (Gemma 3 requires them to alternate) accept.
+- Tool results become one user turn (`<tool_response>` blocks), merged with a user message that
+  follows them, which templates that only know user/assistant (Gemma 3 requires them to alternate) accept.
 """
 
 from __future__ import annotations
@@ -53,9 +53,11 @@ def injector(tool_parser: str) -> Callable[[list[Message], list[dict] | None], l
     def inject(messages: list[Message], tools: list[dict] | None) -> list[Message]:
         out: list[Message] = []
         for m in messages:
-            if m.get("role") == "tool":
-                block = "<tool_response>\n" + str(m.get("content") or "") + "\n</tool_response>"
-                if out and out[-1].get("role") == "user" and out[-1].get("_tool_results"):
+            if m.get("role") == "tool" or (m.get("role") == "user" and out and out[-1].get("_tool_results")):
+                block = str(m.get("content") or "")
+                if m.get("role") == "tool":
+                    block = "<tool_response>\n" + block + "\n</tool_response>"
+                if out and out[-1].get("_tool_results"):
                     out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + block}
                 else:
                     out.append({"role": "user", "content": block, "_tool_results": True})

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import ast
+import json
 from typing import Any
 
 from gateway.parsers.base import ToolCall, ToolFormat, ToolSpecs, call_arguments, call_name, make_call
@@ -43,8 +44,8 @@ def parse(body: str, tools: ToolSpecs) -> list[ToolCall] | None:
 
 
 def render(calls: list[dict]) -> str:
-    def literal(value: Any) -> str:
-        return repr(value)  # Python literals: True/None/strings as the model writes them
+    def literal(value: Any) -> str:  # strings in double quotes (as these models write them), else Python literals
+        return json.dumps(value, ensure_ascii=False) if isinstance(value, str) else repr(value)
     return "[" + ", ".join(f"{call_name(c)}(" + ", ".join(f"{k}={literal(v)}" for k, v in call_arguments(c).items())
                            + ")" for c in calls) + "]"
 

@@ -6,7 +6,7 @@ packaged (eos_token <|end_of_text|>, turns end with <|eot_id|>), Llama 3.1, Gemm
 - rendering equals transformers' apply_chat_template on a multi-turn tool conversation (for templates
   without tools: on the conversation --inject-tools rewrites it into);
 - the family's tool-call text, as real token ids decoded one at a time, parses into tool calls;
-- the openai and anthropic SDKs complete a 3-turn tool conversation against an engine answering in the
+- the openai (Chat Completions, Responses) and anthropic SDKs complete a 3-turn tool conversation against an engine answering in the
   family's format, streamed and not; the records hold exactly the engine's ids, and each prompt
   extends the previous prompt + answer (token-exact reuse).
 """
@@ -175,6 +175,28 @@ async def drive_chat(client: openai.AsyncOpenAI, stream: bool) -> list[str]:
     return seen
 
 
+async def drive_responses(client: openai.AsyncOpenAI, stream: bool) -> list[str]:
+    tools = [{"type": "function", "name": "get", "description": "Look something up.",
+              "parameters": TOOLS[0]["function"]["parameters"]}]
+    items: list[Any] = [{"role": "user", "content": "What is it?"}]
+    seen = []
+    for _ in range(TURNS):
+        kwargs = {"model": "m", "input": items, "instructions": "You look things up.", "tools": tools}
+        if stream:
+            async with client.responses.stream(**kwargs) as s:
+                async for _event in s:
+                    pass
+                response = await s.get_final_response()
+        else:
+            response = await client.responses.create(**kwargs)
+        calls = [o for o in response.output if o.type == "function_call"]
+        seen += [json.loads(c.arguments)["q"] for c in calls]
+        items += [o.model_dump(exclude_none=True) for o in response.output]
+        items += [{"type": "function_call_output", "call_id": c.call_id, "output": "result"} for c in calls]
+    assert response.output_text == "The answer is 42."
+    return seen
+
+
 async def drive_messages(client: anthropic.AsyncAnthropic, stream: bool) -> list[str]:
     tools = [{"name": "get", "description": "Look something up.", "input_schema": TOOLS[0]["function"]["parameters"]}]
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is it?"}]
@@ -199,7 +221,7 @@ async def drive_messages(client: anthropic.AsyncAnthropic, stream: bool) -> list
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-@pytest.mark.parametrize("api", ["chat", "messages"])
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
 async def test_sdks_complete_a_three_turn_tool_conversation(family: tuple[Family, Path], api: str, stream: bool,
                                                             tmp_path: Path) -> None:
     fam, model_dir = family
@@ -212,7 +234,7 @@ async def test_sdks_complete_a_three_turn_tool_conversation(family: tuple[Family
             seen = await drive_messages(client, stream)
         else:
             client = openai.AsyncOpenAI(base_url=s["openai_base_url"], api_key=s["api_key"], max_retries=0)
-            seen = await drive_chat(client, stream)
+            seen = await (drive_chat if api == "chat" else drive_responses)(client, stream)
         await client.close()
         assert seen == ["a", "b"]
         await served.flush()
@@ -248,3 +270,16 @@ async def test_tools_without_template_support_get_400_naming_the_flag(tmp_path: 
                 r = await http.post("/chat/completions", json={"messages": messages})
                 assert r.status_code == 200, r.text
                 messages += [r.json()["choices"][0]["message"], {"role": "user", "content": "How are you?"}]
+
+
+def test_injection_turns_tool_results_into_one_user_turn() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"q": "a"}'}}
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "r1"}, {"role": "tool", "tool_call_id": "c1", "content": "r2"},
+                {"role": "user", "content": "and?"}]
+    out = injector("pythonic")(messages, TOOLS)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]  # alternating, as Gemma 3 requires
+    assert out[2]["content"] == '[get(q="a")]'  # the call in the family's own syntax
+    assert out[3]["content"] == "<tool_response>\nr1\n</tool_response>\n<tool_response>\nr2\n</tool_response>\nand?"
+    assert '"name": "get"' in out[0]["content"] and "func_name1(" in out[0]["content"]
+    assert injector("llama3")(messages[:2], None)[1]["content"] == '{"name": "get", "parameters": {"q": "a"}}'

@@ -129,3 +129,12 @@ def test_the_cli_refuses_unknown_parser_names(tmp_path) -> None:
     assert result.exit_code == 2 and "qwen3_coder" in result.output and "hermez" in result.output
     result = CliRunner().invoke(gateway_command, args + ["--reasoning-parser", "r1"])
     assert result.exit_code == 2 and "deepseek-r1" in result.output
+
+
+def test_rendered_calls_parse_back() -> None:
+    calls = [{"function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}},
+             {"function": {"name": "get_time", "arguments": {}}}]
+    for name in ("hermes", "llama3", "mistral", "pythonic"):
+        fmt = TOOL_PARSERS[name]
+        assert fmt is not None and fmt.render is not None
+        assert calls_of(parse_text(fmt.render(calls), name, "none", True, TOOLS)) == [WEATHER, TIME]
