@@ -3,8 +3,8 @@ template (never by model name alone), printed at start and overridable by flags:
 
 - tool parser: the first registered format that parses back a tool call the template rendered
   (falls back on `config.json`'s model_type for templates that cannot render tool calls);
-- reasoning parser: the template's reasoning markers; `reasoning_forced` when its generation prompt
-  already opens the reasoning block;
+- reasoning parser: the template's reasoning markers (else markers that are the tokenizer's added
+  tokens); `reasoning_forced` when its generation prompt already opens the reasoning block;
 - end-of-turn token: `gateway.templating.end_of_turn` (the template's own marker);
 - tools support: whether a tool offered to the template shows up in its rendering;
 - append-only: whether turn N's rendering (plus the answer and end-of-turn) is a prefix of turn N+1's,
@@ -93,7 +93,12 @@ def _tool_parser(template: ChatTemplate) -> str | None:
 
 
 def _reasoning(template: ChatTemplate) -> tuple[str, bool]:
-    name = next((n for marker, n in _REASONING_MARKERS if marker in template.source), "none")
+    """Markers the template writes; else reasoning markers that are the tokenizer's own added tokens."""
+    added = {t.content for t in template.tokenizer.get_added_tokens_decoder().values()}
+    name = next((n for marker, n in _REASONING_MARKERS if marker in template.source), None)
+    if name is None:
+        name = next((n for n, fmt in REASONING_PARSERS.items() if fmt is not None and {fmt.open, fmt.close} <= added),
+                    "none")
     fmt = REASONING_PARSERS[name]
     user = [{"role": "user", "content": "hi"}]
     prompt = _render(template, user, None, True) or ""

@@ -138,6 +138,9 @@ async def test_gateway_process_serves_records_and_flushes_on_sigterm(tiny_model_
             proc.send_signal(signal.SIGTERM)  # the call is recorded asynchronously: shutdown must flush it
             out, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, out.decode()
+    # what the gateway read from the model's template, printed at start
+    assert "model: tool parser hermes, reasoning parser qwen3; end-of-turn '<|im_end|>', tools in the template" \
+        in out.decode()
     prompt_sent = fake.requests[-1][1]["input_ids"]
     pool = open_pool(f"sqlite:///{db}")
     try:
