@@ -4,7 +4,7 @@ Search and UI: index build, one search, in-process expert episodes per second, o
 (`--expert`, start to exit), and episode size in tokens of the `tiny` model's chat template (what one
 rollout costs the policy).
 
-All three harnesses through the rollout driver (trainer/rollout.py): episodes per second and CPU
+All three harnesses through the rollout driver (rollout/driver.py): episodes per second and CPU
 seconds per episode of one `run` + one `verify` process per episode against the long-lived worker
 (`persistent = true`, agents/common/serve.py), for model episodes over the real SDK whose "model" is
 a ScriptedServer replaying the expert's answers; the session endpoints are an in-process stand-in,
@@ -40,9 +40,9 @@ from agents.terminal.tasks import get_task
 from agents.terminal.tasks import task_ids as terminal_ids
 from agents.ui import harness as ui
 from agents.ui.tasks import split_ids as ui_ids
-from trainer.rollout import RolloutDriver
-from trainer.rollout_config import HarnessSpec, RolloutConfig
-from trainer.rollout_gateway import SessionHandle
+from rollout.driver import RolloutDriver
+from rollout.config import HarnessSpec, RolloutConfig
+from rollout.client import SessionHandle
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESSES = {"search": (search.play, search_ids), "ui": (ui.play, ui_ids)}

@@ -19,7 +19,7 @@ COMMANDS: dict[str, str] = {
     "pool": "datapool.cli:pool_group",
     "train": "trainer.cli:train_command",
     "replay": "trainer.cli:replay_command",
-    "eval": "trainer.evaluate:eval_command",
+    "eval": "rollout.evaluate:eval_command",
     "run": "stepline.run:run_command",
 }
 

@@ -13,9 +13,6 @@ ordinary groups.
 from __future__ import annotations
 
 import asyncio
-import json
-import random
-import sys
 import tempfile
 import time
 import uuid
@@ -30,8 +27,8 @@ from datapool.records import CallRecord, Reward, SessionInfo
 from gateway.frontends import chat, messages
 from gateway.templating import ChatTemplate
 from gateway.tito import TokenState
-from trainer.rollout import parse_verdict
-from trainer.rollout_config import HarnessSpec, list_tasks
+from rollout.config import HarnessSpec
+from rollout.demos import expert_episodes
 
 __all__ = ["demo_calls", "collect_demos"]
 
@@ -73,37 +70,6 @@ def demo_calls(template: ChatTemplate, episode: dict[str, Any], session_id: str)
     return records
 
 
-async def _expert_episode(spec: HarnessSpec, task_id: str, work: Path) -> tuple[dict[str, Any], float] | None:
-    """Run the harness's scripted expert on a task and score it with the harness's verifier."""
-    out = work / f"{spec.name}-{task_id}"
-    run = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", f"{spec.module}.run", "--task", task_id, "--out", str(out), "--expert",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-    if await run.wait() != 0:
-        return None
-    verify = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", f"{spec.module}.verify", "--task", task_id, "--out", str(out),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-    stdout, _ = await verify.communicate()
-    reward, _success, _reason = parse_verdict(stdout.decode())
-    return json.loads((out / "episode.json").read_text()), reward
-
-
-async def _gather(specs: list[HarnessSpec], per_harness: int, concurrency: int, work: Path, seed: int):
-    gate = asyncio.Semaphore(concurrency)
-    rng = random.Random(seed)
-
-    async def one(spec: HarnessSpec, task_id: str):
-        async with gate:
-            return spec, task_id, await _expert_episode(spec, task_id, work)
-
-    jobs = []
-    for spec in specs:  # a seeded sample of the train split: task lists are ordered by kind and entity
-        tasks = await asyncio.to_thread(list_tasks, spec, "train")
-        jobs += [one(spec, task) for task in rng.sample(tasks, min(per_harness, len(tasks)))]
-    return await asyncio.gather(*jobs)
-
-
 def collect_demos(pool: Pool, model_dir: Path, specs: list[HarnessSpec], per_harness: int,
                   concurrency: int = 2, seed: int = 0) -> dict[str, int]:
     """Run `per_harness` expert episodes of each module harness (a seeded sample of its train split) into
@@ -111,7 +77,7 @@ def collect_demos(pool: Pool, model_dir: Path, specs: list[HarnessSpec], per_har
     template = ChatTemplate.from_model_dir(model_dir)
     written = {spec.name: 0 for spec in specs}
     with tempfile.TemporaryDirectory(prefix="stepline-demos-") as tmp:
-        results = asyncio.run(_gather([s for s in specs if s.module], per_harness, concurrency, Path(tmp), seed))
+        results = asyncio.run(expert_episodes([s for s in specs if s.module], per_harness, concurrency, Path(tmp), seed))
     # round-robin over harnesses, so every SFT minibatch mixes them (the pool hands groups out in order)
     by_harness = [[r for r in results if r[0].name == spec.name] for spec in specs]
     interleaved = [row for rows in zip_longest(*by_harness) for row in rows if row is not None]

@@ -5,7 +5,7 @@
     [sft]       warm start: expert demonstrations per harness, and [trainer] overrides for the SFT pass
     [services]  ports and limits of the engine and the gateway this job starts
     [trainer]   the RL trainer (`trainer.config.TrainerConfig`; model_dir/output_dir are filled in here)
-    [rollout]   the harness mix (`trainer.rollout_config.RolloutConfig`)
+    [rollout]   the harness mix (`rollout.config.RolloutConfig`)
     [eval]      the held-out evaluation before and after RL
 
 Relative paths are resolved against the job file's folder. Errors name the table and the field.
@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trainer.rollout_config import RolloutConfig
+from rollout.config import RolloutConfig
 
 __all__ = ["JobConfig", "JobError", "load_job"]
 

@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from stepline.rollouts import BackgroundRollouts
+from rollout.pacing import BackgroundRollouts
 
 __all__ = ["RLProgress"]
 

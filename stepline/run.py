@@ -187,8 +187,8 @@ def evaluate_once(cfg: JobConfig, run: RunDir, gateway_url: str, token: str, tag
     """Success per harness on the test split through the policy the gateway serves now (cached by tag)."""
     import asyncio
 
-    from trainer.evaluate import evaluate
-    from trainer.rollout import format_stats
+    from rollout.evaluate import evaluate
+    from rollout.driver import format_stats
 
     path = run.eval_file(tag)
     if path.is_file():
@@ -204,7 +204,7 @@ def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> None:
     """Rollouts in a background thread, the trainer in this one, until rl_updates updates are done."""
     from datapool import open_pool
     from stepline.progress import RLProgress
-    from stepline.rollouts import BackgroundRollouts
+    from rollout.pacing import BackgroundRollouts
     from trainer.loop import train
     from trainer.weight_sync import GatewayWeightSync
 

@@ -8,7 +8,7 @@ that warm state, which costs milliseconds (benchmarks/bench_agents.py measures b
 Why a forked child per episode rather than threads or asyncio tasks in the worker itself:
 
 - the episode timeout stays a SIGKILL of the episode's process group, as the driver does to a `run`
-  process (trainer/rollout.py); a thread stuck in a tool or an SDK call cannot be killed;
+  process (rollout/driver.py); a thread stuck in a tool or an SDK call cannot be killed;
 - the episode's endpoint (its session's base URL and key) lives only in that child's environment and
   the SDK client the harness builds there, so no key can reach another episode;
 - what the harnesses keep per process stays per episode: the terminal sandbox's uid (1_000_000 + pid)
@@ -17,7 +17,7 @@ Why a forked child per episode rather than threads or asyncio tasks in the worke
 
 The worker itself is one asyncio loop (no threads, so forking is safe) that reads requests, forks,
 waits on the children's pipes and answers. Protocol, JSON lines (the driver side is
-trainer/rollout_worker.py):
+rollout/worker.py):
 
     worker -> {"ready": true, "pid": N, "harness": NAME}                       once, after warming up
     driver -> {"id", "task_id", "out", "logs", "max_turns", "max_tokens", "expert", "timeout_s",

@@ -1,4 +1,4 @@
-"""The rollout driver with long-lived harness workers (trainer/rollout_worker.py, agents/common/serve.py):
+"""The rollout driver with long-lived harness workers (rollout/worker.py, agents/common/serve.py):
 the same verdicts as one process per episode, each episode with its own session key, and the faults
 (a worker that crashes, hangs or lacks a serve module; an episode that times out or is cancelled)."""
 
@@ -15,10 +15,10 @@ import pytest
 from session_standin import session_standin
 
 from agents.common.scripted_server import Reply, ScriptedServer
-from trainer import rollout_worker
-from trainer.rollout import RolloutDriver
-from trainer.rollout_config import HarnessSpec, RolloutConfig
-from trainer.rollout_gateway import GatewayClient
+from rollout import worker as rollout_worker
+from rollout.driver import RolloutDriver
+from rollout.config import HarnessSpec, RolloutConfig
+from rollout.client import GatewayClient
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = {"search": ["search-0004", "search-0009"], "ui": ["ui-0003", "ui-0008"],
@@ -109,7 +109,7 @@ async def test_concurrent_episodes_in_one_worker_each_use_their_own_session_key(
 
 
 FAKE_SERVE = '''
-"""A fake harness worker whose episodes misbehave on purpose (tests/trainer/test_rollout_worker.py)."""
+"""A fake harness worker whose episodes misbehave on purpose (tests/rollout/test_worker.py)."""
 import os, signal, sys, time
 from pathlib import Path
 from agents.common import Episode, Verdict, verdict_for

@@ -20,9 +20,9 @@ from typing import Any
 import click
 import httpx
 
-from trainer.rollout import RolloutDriver, format_stats, results_json
-from trainer.rollout_config import RolloutConfig, list_tasks, load_rollout_config
-from trainer.rollout_gateway import GatewayClient
+from rollout.driver import RolloutDriver, format_stats, results_json
+from rollout.config import RolloutConfig, list_tasks, load_rollout_config
+from rollout.client import GatewayClient
 
 __all__ = ["EVAL_METADATA", "eval_command", "evaluate", "spread"]
 

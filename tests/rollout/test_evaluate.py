@@ -12,8 +12,8 @@ from pathlib import Path
 from click.testing import CliRunner
 from session_standin import StandIn, session_standin
 
-from trainer.evaluate import eval_command, evaluate
-from trainer.rollout_config import HarnessSpec, RolloutConfig
+from rollout.evaluate import eval_command, evaluate
+from rollout.config import HarnessSpec, RolloutConfig
 
 ONE = "echo '{\"reward\": 1, \"success\": true}'"
 ZERO = "echo '{\"reward\": 0}'"
@@ -82,7 +82,7 @@ def test_cli_prints_success_per_harness_and_writes_json(tmp_path: Path) -> None:
 
 
 def test_spread_takes_evenly_spaced_tasks():
-    from trainer.evaluate import spread
+    from rollout.evaluate import spread
 
     ids = [f"t{i}" for i in range(10)]
     # i * 10 // 3 for i = 0, 1, 2 -> 0, 3, 6: every kind of an ordered list is sampled, not just the first

@@ -10,7 +10,7 @@ scores 0 and the reason is logged; the job goes on either way.
 Two ways to play an episode:
 
 - a module harness with `persistent` (the default) is played by its long-lived worker
-  (`python -m <module>.serve`, trainer/rollout_worker.py): one warm process per module forks a child
+  (`python -m <module>.serve`, rollout/worker.py): one warm process per module forks a child
   per episode, which runs `run` and `verify`'s code in-process, so no episode pays an interpreter
   start or the SDK import. A worker that dies or hangs fails its episodes in flight and is restarted.
 - otherwise (an external `command`, `persistent = false`, or a module without `serve`) one `run`
@@ -44,10 +44,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from trainer import rollout_worker
-from trainer.rollout_config import HarnessSpec, RolloutConfig, list_tasks
-from trainer.rollout_gateway import GatewayClient, GatewayError, SessionHandle
-from trainer.rollout_worker import HarnessWorker, WorkerError, WorkerMissing
+from rollout import worker as rollout_worker
+from rollout.config import HarnessSpec, RolloutConfig, list_tasks
+from rollout.client import GatewayClient, GatewayError, SessionHandle
+from rollout.worker import HarnessWorker, WorkerError, WorkerMissing
 
 __all__ = ["EpisodeResult", "HarnessStats", "RolloutDriver", "format_stats", "run_rollouts"]
 
@@ -258,7 +258,7 @@ class RolloutDriver:
         if spec.module is None or not spec.persistent or spec.module in self._no_worker:
             return None
         if spec.module not in self.workers:
-            # The worker holds no session's endpoint: each request brings its own (trainer/rollout_worker.py).
+            # The worker holds no session's endpoint: each request brings its own (rollout/worker.py).
             env = {k: v for k, v in os.environ.items() if k not in SESSION_KEYS and not k.startswith("STEPLINE_")}
             log_file = self.work_dir / "workers" / f"{spec.module}.stderr"
             self.workers[spec.module] = HarnessWorker(spec.module, self.python, log_file, env, Path.cwd())

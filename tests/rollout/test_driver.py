@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from session_standin import session_standin
 
-from trainer.rollout import RolloutDriver, format_stats, parse_verdict, run_rollouts
-from trainer.rollout_config import HarnessSpec, RolloutConfig, load_rollout_config
-from trainer.rollout_gateway import GatewayClient
+from rollout.driver import RolloutDriver, format_stats, parse_verdict, run_rollouts
+from rollout.config import HarnessSpec, RolloutConfig, load_rollout_config
+from rollout.client import GatewayClient
 
 PY = sys.executable
 
@@ -193,7 +193,7 @@ async def test_cancelling_an_episode_kills_its_process_group_at_once(tmp_path: P
     """Ctrl-C cancels the rollout tasks: the harness and whatever it started die, the cancellation is not lost."""
     import asyncio
 
-    from trainer.rollout import run_process
+    from rollout.driver import run_process
 
     pid_file = tmp_path / "child.pid"
     script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); "

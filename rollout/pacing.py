@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from datapool.base import Pool
-from trainer.rollout import RolloutDriver
-from trainer.rollout_config import RolloutConfig
-from trainer.rollout_gateway import GatewayClient
+from rollout.driver import RolloutDriver
+from rollout.config import RolloutConfig
+from rollout.client import GatewayClient
 
 __all__ = ["BackgroundRollouts"]
 

@@ -11,10 +11,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway.testing import FakeEngine, Scripted, recording_gateway
-from trainer.evaluate import evaluate
-from trainer.rollout import RolloutDriver
-from trainer.rollout_config import HarnessSpec, RolloutConfig
-from trainer.rollout_gateway import GatewayClient
+from rollout.evaluate import evaluate
+from rollout.driver import RolloutDriver
+from rollout.config import HarnessSpec, RolloutConfig
+from rollout.client import GatewayClient
 
 END = "<|im_end|>"
 
