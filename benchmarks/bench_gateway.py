@@ -250,11 +250,12 @@ async def wait_up(http: aiohttp.ClientSession, *urls: str) -> None:
 
 
 def document(model_dir: Path, tokens: int) -> str:
-    """About `tokens` tokens of prose (this repository's design notes, repeated as needed)."""
+    """About `tokens` tokens of prose (this repository's README and docs/, repeated as needed)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    source = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[1]  # the README and docs/: the same prose however it is split
+    source = "\n".join(path.read_text() for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
     ids: list[int] = []
     while len(ids) < tokens:
         ids += tok.encode(source).ids

@@ -6,7 +6,7 @@ the training speed of full fine-tuning against the faster options on a real mode
     .venv/bin/python benchmarks/bench_trainer.py --model models/smollm2 # full fp32 vs bf16 / top-6 / LoRA, 20 SFT steps
 
 --model DIR: a short SFT (--steps optimizer steps on the same rows: --sessions sessions of --turns turns of
-this repository's README text, tokenized by the model's tokenizer) through the trainer's own
+this repository's README and docs/ text, tokenized by the model's tokenizer) through the trainer's own
 `build_policy` and `update`, once per variant (TrainerConfig fields): full fp32, bf16 autocast, the top
 --top-layers layers, both, LoRA rank --lora-rank, LoRA + bf16. The variants live in one process and
 take their steps in turn (step 1 of each, then step 2 of each, the order rotating), so a change in the
@@ -169,10 +169,11 @@ def sft_variants(args) -> dict[str, dict]:
 
 
 def readme_tokens(model_dir: Path) -> np.ndarray:
-    """This repository's README as token ids of the model's tokenizer: natural text the model can learn."""
+    """This repository's README and docs/ as token ids of the model's tokenizer: natural text the model can learn."""
     from transformers import AutoTokenizer
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[1]  # the README and docs/: the same prose however it is split
+    text = "\n".join(path.read_text() for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
     return np.asarray(AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"], dtype=np.int64)
 
 
@@ -231,7 +232,7 @@ def measure_push(full: torch.nn.Module, lora: torch.nn.Module, model_dir: Path) 
 def report_sft(args, r: dict) -> None:
     push = r.pop("push")
     first = next(iter(r.values()))
-    print(f"SFT on {args.model}: {args.sessions} sessions × {args.turns} turns of README text (prompt {args.prompt}, "
+    print(f"SFT on {args.model}: {args.sessions} sessions × {args.turns} turns of README and docs/ text (prompt {args.prompt}, "
           f"action {args.action}, observation {args.obs} tokens; {first['forward_tokens']:,.0f} tokens through the "
           f"model per step), {args.steps} AdamW steps on the same rows; {args.device}, {args.threads} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")

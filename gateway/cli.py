@@ -63,7 +63,7 @@ async def running_gateway(
     call (the built-in engine's --control-token; SGLang's and vLLM's --api-key)."""
     from gateway.app import create_app
 
-    # one upstream session for every engine call (DESIGN §6); aiohttp's default of 100 connections
+    # one upstream session for every engine call (docs/architecture.md §6); aiohttp's default of 100 connections
     # would cap the calls in flight
     connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=max_connections)
     headers = {"Authorization": f"Bearer {engine_token}"} if engine_token else None

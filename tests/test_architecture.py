@@ -68,3 +68,16 @@ def test_the_rollout_package_loads_without_torch() -> None:
     assert len(names) >= 7 and "rollout" in loaded
     assert not loaded & {*THIRD_PARTY, "gateway", "trainer", "stepline"}
 
+
+
+def test_no_file_names_a_path_outside_the_repository() -> None:
+    """Comments and docs point inside the repository (docs/), never at notes or machines elsewhere."""
+    outside = ("DESIGN.md", "STYLE.md", "/work/", "/home/")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    files = [ROOT / name for name in tracked if name.endswith((".py", ".md", ".toml", ".sh", ".cfg"))]
+    files = [path for path in files if path.is_file() and path != Path(__file__).resolve()]
+    if not files:  # not a git checkout (an sdist): the package files at least
+        files = [path for _, path in modules()]
+    assert len(files) > len(PACKAGES)
+    bad = [f"{path.relative_to(ROOT)}: {word}" for path in files for word in outside if word in path.read_text()]
+    assert not bad, bad

@@ -1,4 +1,4 @@
-"""Every example job file loads and validates (STYLE.md §4): a broken example is a broken README."""
+"""Every example job file loads and validates: a broken example is a broken README."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The trainer (README, Trainer section).
+"""The trainer (docs/reference.md, Trainer).
 
 Importing the package tells OpenMP to sleep rather than spin while a parallel region waits for its
 threads (OMP_WAIT_POLICY=PASSIVE, unless the environment already chose). libgomp reads the variable

@@ -4,7 +4,7 @@
     view = token_view(batch, [0, 1, 2])             # TokenView: one packed forest + per-token segment ids
 
 A *step row* is one (trajectory, call) pair, as the advantage estimators expect; a call shared by two
-forks has two rows but its tokens exist once (DESIGN.md §2.2: each sampled token trains once per update),
+forks has two rows but its tokens exist once (docs/architecture.md §2.2: each sampled token trains once per update),
 so its tokens point at one of its rows, the main trajectory's if it is on it. Per-step advantages reach
 the tokens as `advantages[view.step_ids]`.
 """

@@ -4,7 +4,7 @@ glibc's malloc serves large blocks with mmap and unmaps them on free, and trims 
 of its top is free. A training step allocates and frees gigabytes of activations, gradients and
 A × vocab logits, so under the default settings every step faults all of those pages back in, zero-filled
 by the kernel: measured on SmolLM2-135M, 0.7–1.0 million minor page faults and 3–7 s of system time per
-update of 4 sessions × ~565 tokens (README, Trainer section), against 0.2–30 thousand faults and 0.1 s
+update of 4 sessions × ~565 tokens (docs/reference.md, Trainer), against 0.2–30 thousand faults and 0.1 s
 once freed memory stays in the heap. The cost is that the resident size stays at its peak.
 """
 

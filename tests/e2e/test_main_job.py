@@ -1,4 +1,4 @@
-"""The main job, shortened: every part of Stepline takes part in one run (DESIGN.md §1).
+"""The main job, shortened: every part of Stepline takes part in one run (docs/architecture.md §1).
 
 Builds a tiny model, warm-starts it on expert demonstrations, starts the built-in engine and the
 gateway as processes, evaluates, runs two RL updates with rollouts of all three harnesses through the

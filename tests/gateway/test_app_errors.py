@@ -167,7 +167,7 @@ BODIES = {
 }
 
 
-# STEPLINE_FUZZ_EXAMPLES=2000 for the long run (README, Hardening)
+# STEPLINE_FUZZ_EXAMPLES=2000 for the long run (docs/reference.md, Hardening)
 FUZZ_EXAMPLES = int(os.environ.get("STEPLINE_FUZZ_EXAMPLES", "200"))
 
 

@@ -46,7 +46,7 @@ def flat(model) -> torch.Tensor:
 
 
 def test_micro_batches_accumulate_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    # one optimizer step over 8 sessions: 8 micro-batches of 1 == 2 of 4 == 1 of 8 (STYLE §11). Plain SGD with
+    # one optimizer step over 8 sessions: 8 micro-batches of 1 == 2 of 4 == 1 of 8. Plain SGD with
     # lr 1 makes the step equal to the (clipped) accumulated gradient; Adam's first step, ±lr·sign(g), would
     # turn float noise in near-zero gradients into full-size differences.
     steps = []

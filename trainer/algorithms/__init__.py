@@ -1,7 +1,7 @@
 """Step-level RL algorithms as pure functions of tensors, with registries (name -> function).
 
 Shapes: N flattened action tokens (segment ids `step_ids`, `traj_ids`, `episode_ids`, long [N]),
-S steps, E episodes. The table of methods and their sources is in the README ("Trainer algorithms").
+S steps, E episodes. The table of methods and their sources is in docs/reference.md ("Trainer algorithms").
 """
 
 from trainer.algorithms.advantages import (

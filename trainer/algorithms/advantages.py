@@ -2,7 +2,7 @@
 
 Every registered estimator has the signature `fn(x: AdvantageInputs, **hyper) -> Tensor float [S]`
 (no gradient); the trainer broadcasts to tokens with `adv[step_ids]`. Groups are task × harness
-(DESIGN.md §3): baselines never mix harnesses. A group of one sample, or one whose rewards are all
+(docs/architecture.md §3): baselines never mix harnesses. A group of one sample, or one whose rewards are all
 equal, carries no signal and gets advantage 0 (never NaN).
 """
 
@@ -141,7 +141,7 @@ def reinforce_pp(x: AdvantageInputs, *, group_baseline: bool = True, gamma: floa
     The paper's returns are per token with the reward on the last token; a step's reward arrives at its
     last token, so with γ = 1 (verl's default) G_t is exactly the token-level return of every token of
     step t; with γ < 1 the discount is counted in steps. std_w is the unbiased std over step rows weighted
-    1/(rows of the episode), so every episode weighs the same (DESIGN.md §3); with no step rewards and
+    1/(rows of the episode), so every episode weighs the same (docs/architecture.md §3); with no step rewards and
     γ = 1 it is the std over episodes. Not re-centred: zero-variance groups without step rewards stay 0.
     """
     row, _, last = _grid(x)
@@ -163,7 +163,7 @@ def reinforce_pp(x: AdvantageInputs, *, group_baseline: bool = True, gamma: floa
 
 @torch.no_grad()
 def step_gae(x: AdvantageInputs, *, gamma: float = 1.0, lam: float = 0.95) -> Tensor:
-    """Step-level GAE (Schulman et al. 2016, applied per step as in StepPO; DESIGN.md §3).
+    """Step-level GAE (Schulman et al. 2016, applied per step as in StepPO; docs/architecture.md §3).
 
     Per trajectory with steps t = 0..T-1: r_t = dense step reward, plus the outcome on the last step;
     δ_t = r_t + γ V(s_{t+1}) − V(s_t) with V(s_T) = 0 (terminal bootstraps 0);

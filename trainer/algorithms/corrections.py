@@ -4,7 +4,7 @@ and the critic's clipped value loss.
 
 Why: the engine that sampled a token (SGLang/vLLM, older weights, other kernels) is not the policy the
 trainer differentiates, so the engine's recorded logprob is the behaviour policy μ and the trainer
-corrects for μ ≠ π (DESIGN.md §2.3).
+corrects for μ ≠ π (docs/architecture.md §2.3).
 """
 
 from __future__ import annotations

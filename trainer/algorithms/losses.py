@@ -2,7 +2,7 @@
 
 `clipped_surrogate` returns a per-token loss [N] and where each clip was active; `aggregate` turns
 [N] into the scalar to minimise. Per-episode normalisation is the default: an episode that became
-many steps or forks weighs the same as a short one (DESIGN.md §3).
+many steps or forks weighs the same as a short one (docs/architecture.md §3).
 """
 
 from __future__ import annotations

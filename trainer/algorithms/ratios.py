@@ -53,7 +53,7 @@ def step_ratio(
 ) -> Tensor:
     """Per-step ratio: the geometric mean of the step's token ratios (StepPO; GSPO's rule applied to a
     step instead of a whole response), clipped as one unit. A step is the unit of credit, so it is
-    also the unit of the off-policy correction (DESIGN.md §3). [N] -> [N]."""
+    also the unit of the off-policy correction (docs/architecture.md §3). [N] -> [N]."""
     return segment_ratio(logp, old_logp, step_ids, mask)
 
 
