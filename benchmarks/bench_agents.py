@@ -40,9 +40,9 @@ from agents.terminal.tasks import get_task
 from agents.terminal.tasks import task_ids as terminal_ids
 from agents.ui import harness as ui
 from agents.ui.tasks import split_ids as ui_ids
-from rollout.driver import RolloutDriver
-from rollout.config import HarnessSpec, RolloutConfig
 from rollout.client import SessionHandle
+from rollout.config import HarnessSpec, RolloutConfig
+from rollout.driver import RolloutDriver
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESSES = {"search": (search.play, search_ids), "ui": (ui.play, ui_ids)}

@@ -31,7 +31,6 @@ import aiohttp
 import numpy as np
 import orjson
 
-
 ADMIN = {"Authorization": "Bearer bench"}
 OUT_TOKENS = 16
 EOS = 2  # <|im_end|> in the tiny model's vocabulary

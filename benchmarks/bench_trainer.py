@@ -44,10 +44,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import trainer  # noqa: F401  (before torch: it sets OpenMP's wait policy, trainer/__init__.py)
 import numpy as np
 import torch
 
+import trainer  # noqa: F401  (before torch: it sets OpenMP's wait policy, trainer/__init__.py)
 from datapool.records import Reward, SessionInfo
 from datapool.steps import build_episode
 from datapool.tree import RadixTree
@@ -97,7 +97,7 @@ def naive_rows(model, episodes, forest, rows: int) -> torch.Tensor:
             mask[r, : st.action_end] = 1
         hidden = model.base_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
         hidden = hidden.last_hidden_state
-        for r, (e, traj, st) in enumerate(chunk):
+        for r, (e, _traj, st) in enumerate(chunk):
             src = hidden[r, st.action_start - 1 : st.action_end - 1]
             logits = model.get_output_embeddings()(src).float() / st.temperature
             lp = torch.log_softmax(logits, -1).gather(-1, ids[r, st.action_start : st.action_end, None].to(device))

@@ -15,9 +15,8 @@ not a `PoolError` either: a misconfigured token must not make the recorder drop 
 
 from __future__ import annotations
 
-from typing import Any
-
 import os
+from typing import Any
 
 import httpx
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollout import worker as rollout_worker
-from rollout.config import HarnessSpec, RolloutConfig, list_tasks
 from rollout.client import GatewayClient, GatewayError, SessionHandle
+from rollout.config import HarnessSpec, RolloutConfig, list_tasks
 from rollout.worker import HarnessWorker, WorkerError, WorkerMissing
 
 __all__ = ["EpisodeResult", "HarnessStats", "RolloutDriver", "format_stats", "run_rollouts"]

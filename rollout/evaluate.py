@@ -20,9 +20,9 @@ from typing import Any
 import click
 import httpx
 
-from rollout.driver import RolloutDriver, format_stats, results_json
-from rollout.config import RolloutConfig, list_tasks, load_rollout_config
 from rollout.client import GatewayClient
+from rollout.config import RolloutConfig, list_tasks, load_rollout_config
+from rollout.driver import RolloutDriver, format_stats, results_json
 
 __all__ = ["EVAL_METADATA", "eval_command", "evaluate", "spread"]
 

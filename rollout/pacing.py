@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from datapool.base import Pool
-from rollout.driver import RolloutDriver
-from rollout.config import RolloutConfig
 from rollout.client import GatewayClient
+from rollout.config import RolloutConfig
+from rollout.driver import RolloutDriver
 
 __all__ = ["BackgroundRollouts"]
 

@@ -16,9 +16,10 @@ import os
 import secrets
 import time
 import tomllib
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -187,8 +188,8 @@ def evaluate_once(cfg: JobConfig, run: RunDir, gateway_url: str, token: str, tag
     """Success per harness on the test split through the policy the gateway serves now (cached by tag)."""
     import asyncio
 
-    from rollout.evaluate import evaluate
     from rollout.driver import format_stats
+    from rollout.evaluate import evaluate
 
     path = run.eval_file(tag)
     if path.is_file():
@@ -203,8 +204,8 @@ def evaluate_once(cfg: JobConfig, run: RunDir, gateway_url: str, token: str, tag
 def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> None:
     """Rollouts in a background thread, the trainer in this one, until rl_updates updates are done."""
     from datapool import open_pool
-    from stepline.progress import RLProgress
     from rollout.pacing import BackgroundRollouts
+    from stepline.progress import RLProgress
     from trainer.loop import train
     from trainer.weight_sync import GatewayWeightSync
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from agents.common.episode import Episode, ToolCall
 from agents.common.tools import Tool, call_tool, openai_schema
 
-
 if TYPE_CHECKING:
     import ssl
 

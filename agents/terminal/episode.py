@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from agents.common import Episode, EndpointError, Tool, ToolCall, anthropic_schema
+from agents.common import EndpointError, Episode, Tool, ToolCall, anthropic_schema
 from agents.terminal.sandbox import Limits, Sandbox
 from agents.terminal.tasks import Task, setup
 

@@ -108,7 +108,7 @@ class Transport:
         connection EngineUnavailable."""
         try:
             yield
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise EngineTimeout(f"{doing}: no answer within {seconds} s", self.url) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(f"{doing}: engine unreachable ({exc!r})", self.url) from exc
@@ -144,7 +144,7 @@ class Transport:
             async with self.http.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 await resp.read()
                 return resp.status < 300
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def sse(self, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:

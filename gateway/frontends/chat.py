@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, NotRequired
 
 import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, with_config
-from typing_extensions import NotRequired, TypedDict
+from typing_extensions import TypedDict
 
 from gateway.engines import Generation, SamplingParams, StreamDelta
 from gateway.frontends import flow

@@ -34,7 +34,6 @@ from gateway.sessions import Session, SessionStore
 from gateway.templating import ChatTemplate
 from gateway.weights import Paused, WeightGate
 
-
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
 

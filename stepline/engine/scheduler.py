@@ -16,11 +16,13 @@ import queue
 import random
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
+
 from stepline.engine.kv import BatchCache, KVShape
 from stepline.engine.prefix_cache import PrefixCache
 from stepline.engine.protocol import SequenceSpec

@@ -33,7 +33,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stepline.engine.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT, BoundedBody, Control
 from stepline.engine.protocol import (
-    AbortRequest, BadRequest, GenerateRequest, PauseRequest, UpdateWeightsRequest, UpdateWeightVersionRequest,
+    AbortRequest,
+    BadRequest,
+    GenerateRequest,
+    PauseRequest,
+    UpdateWeightsRequest,
+    UpdateWeightVersionRequest,
     expand,
 )
 from stepline.engine.scheduler import Scheduler, Sequence

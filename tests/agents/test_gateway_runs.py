@@ -15,9 +15,9 @@ from tokenizers import Tokenizer
 from agents.search.harness import play as search_play
 from agents.ui.harness import play as ui_play
 from gateway.testing import FakeEngine, Scripted, recording_gateway
-from rollout.driver import RolloutDriver
-from rollout.config import HarnessSpec, RolloutConfig
 from rollout.client import GatewayClient
+from rollout.config import HarnessSpec, RolloutConfig
+from rollout.driver import RolloutDriver
 
 END = "<|im_end|>"
 EXPERTS = {"search": ("search-0004", search_play), "ui": ("ui-0003", ui_play)}

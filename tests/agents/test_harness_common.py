@@ -6,8 +6,21 @@ from pathlib import Path
 
 import pytest
 
-from agents.common import (Episode, EpisodeError, Tool, ToolError, Verdict, call_tool, exact_match, failed,
-                           normalize_answer, read_episode, token_f1, verdict_for, write_episode)
+from agents.common import (
+    Episode,
+    EpisodeError,
+    Tool,
+    ToolError,
+    Verdict,
+    call_tool,
+    exact_match,
+    failed,
+    normalize_answer,
+    read_episode,
+    token_f1,
+    verdict_for,
+    write_episode,
+)
 from agents.common.loop import OpenAIPolicy, RawCall, Turn, run_episode
 
 

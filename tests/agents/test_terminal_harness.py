@@ -13,7 +13,7 @@ from pathlib import Path
 from agents.common import read_episode
 from agents.common.scripted_server import RawReply, Reply, ScriptedServer
 from agents.terminal.episode import expert_episode, new_episode, open_sandbox
-from agents.terminal.tasks import KINDS, NAMES, TEST_EVERY, get_task, task_ids
+from agents.terminal.tasks import NAMES, TEST_EVERY, get_task, task_ids
 from agents.terminal.verify import score
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from engine_helpers import sse_chunks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine_helpers import sse_chunks
 from stepline.engine.testing import running_engine
 
 PROMPTS = [[11, 12, 13, 14, 15], [200, 7], list(range(30, 70)), [5]]

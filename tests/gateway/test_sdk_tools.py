@@ -14,7 +14,7 @@ import openai
 import pytest
 from gateway_helpers import Served, fake_engine, scripted, serve, tokenizer
 
-CALLS = ['{"name": "get", "arguments": {"q": "%s"}}' % q for q in "abcde"]
+CALLS = ['{"name": "get", "arguments": {"q": "' + q + '"}}' for q in "abcde"]
 
 
 def call(i: int) -> str:

@@ -4,7 +4,6 @@ terminal harness end to end with a scripted model."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -13,9 +12,9 @@ from pathlib import Path
 import pytest
 from session_standin import session_standin
 
-from rollout.driver import RolloutDriver, format_stats, parse_verdict, run_rollouts
-from rollout.config import HarnessSpec, RolloutConfig, load_rollout_config
 from rollout.client import GatewayClient
+from rollout.config import HarnessSpec, RolloutConfig, load_rollout_config
+from rollout.driver import RolloutDriver, format_stats, parse_verdict, run_rollouts
 
 PY = sys.executable
 

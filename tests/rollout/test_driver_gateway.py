@@ -11,10 +11,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway.testing import FakeEngine, Scripted, recording_gateway
-from rollout.evaluate import evaluate
-from rollout.driver import RolloutDriver
-from rollout.config import HarnessSpec, RolloutConfig
 from rollout.client import GatewayClient
+from rollout.config import HarnessSpec, RolloutConfig
+from rollout.driver import RolloutDriver
+from rollout.evaluate import evaluate
 
 END = "<|im_end|>"
 

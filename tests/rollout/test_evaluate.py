@@ -12,8 +12,8 @@ from pathlib import Path
 from click.testing import CliRunner
 from session_standin import StandIn, session_standin
 
-from rollout.evaluate import eval_command, evaluate
 from rollout.config import HarnessSpec, RolloutConfig
+from rollout.evaluate import eval_command, evaluate
 
 ONE = "echo '{\"reward\": 1, \"success\": true}'"
 ZERO = "echo '{\"reward\": 0}'"

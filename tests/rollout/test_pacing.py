@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from datapool import open_pool
-from rollout.pacing import BackgroundRollouts
 from rollout.config import RolloutConfig
+from rollout.pacing import BackgroundRollouts
 
 
 def test_stop_after_the_rollouts_ran_out(tmp_path: Path) -> None:

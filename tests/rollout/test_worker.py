@@ -16,9 +16,9 @@ from session_standin import session_standin
 
 from agents.common.scripted_server import Reply, ScriptedServer
 from rollout import worker as rollout_worker
-from rollout.driver import RolloutDriver
-from rollout.config import HarnessSpec, RolloutConfig
 from rollout.client import GatewayClient
+from rollout.config import HarnessSpec, RolloutConfig
+from rollout.driver import RolloutDriver
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = {"search": ["search-0004", "search-0009"], "ui": ["ui-0003", "ui-0008"],

@@ -82,8 +82,9 @@ def test_online_updates_wait_for_a_full_batch(tiny_model_dir: Path, tmp_path: Pa
     import threading
     import time
 
-    from trainer.weight_sync import NoWeightSync
     from trainer_helpers import rollout
+
+    from trainer.weight_sync import NoWeightSync
 
     pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}?synchronous=normal")
     model = SamplerSync(tiny_model_dir, pool, None).model
