@@ -106,14 +106,14 @@ def show_command(session: str, db: str, tokenizer: str | None, leaf_rule: str) -
     from rich.console import Console
 
     from datapool import open_pool
-    from datapool.show import render_episode
+    from datapool.show import Decode, render_episode
 
-    decode = None
+    decode: Decode | None = None
     if tokenizer:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer)
-        decode = lambda ids: tok.decode(ids)  # noqa: E731
+        decode = lambda ids: str(tok.decode(ids))  # noqa: E731
     pool = open_pool(db, read_only=True)
     try:
         episode = pool.get_episode(session, leaf_rule)  # type: ignore[arg-type]

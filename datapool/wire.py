@@ -25,7 +25,7 @@ from datapool.records import (
     Trajectory,
 )
 
-_EXT_DTYPES = {1: np.dtype("<i4"), 2: np.dtype("<f4"), 3: np.dtype("i1"), 4: np.dtype("<i8"), 5: np.dtype("<f8")}
+_EXT_DTYPES: dict[int, np.dtype] = {1: np.dtype("<i4"), 2: np.dtype("<f4"), 3: np.dtype("i1"), 4: np.dtype("<i8"), 5: np.dtype("<f8")}
 _EXT_CODES = {dt: code for code, dt in _EXT_DTYPES.items()}
 
 

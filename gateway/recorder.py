@@ -188,7 +188,7 @@ class Recorder:
         head = self._pending[0]
         if head.kind != "call":
             return [head]
-        batch = []
+        batch: list[_Item] = []
         for item in self._pending:
             if item.kind != "call" or len(batch) == self.batch_size:
                 break

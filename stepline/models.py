@@ -296,7 +296,9 @@ def make_model_command(out: Path, kind: ModelKind, seed: int, hidden_size: int |
     try:
         if vllm_compatible and kind != "smollm2-135m":
             check_vllm_shape(shape["hidden_size"], shape["num_heads"])
-        path = build_model(out, kind=kind, seed=seed, num_layers=num_layers, **shape)
+        path = build_model(out, kind=kind, seed=seed, num_layers=num_layers, hidden_size=shape["hidden_size"],
+                           num_heads=shape["num_heads"], num_kv_heads=shape["num_kv_heads"],
+                           tie_embeddings=bool(shape["tie_embeddings"]))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     except AssetUnavailable as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import cast
 from unittest.mock import patch
 
 __all__ = ["build_smollm2"]
@@ -22,7 +23,7 @@ def build_smollm2(out_dir: Path | str) -> Path:
     """Dequantise the cached SmolLM2-135M-Instruct GGUF into `out_dir` (config, safetensors, tokenizer)."""
     import torch
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     from stepline.assets import smollm2_gguf
     from stepline.models import TINY_CHAT_TEMPLATE
@@ -37,7 +38,7 @@ def build_smollm2(out_dir: Path | str) -> Path:
     config = loaded.config
     del config.quantization_config  # the saved weights are plain float32, not a GGUF file
     config._name_or_path = "SmolLM2-135M-Instruct"
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(cast(LlamaConfig, config))  # a llama GGUF file loads as a LlamaConfig
     model.load_state_dict(loaded.state_dict())
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.generation_config = GenerationConfig(

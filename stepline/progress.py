@@ -41,7 +41,7 @@ class RLProgress:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
         self.live.update(self._render())

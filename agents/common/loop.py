@@ -104,7 +104,7 @@ class OpenAIPolicy:
             raise EndpointError(f"{type(exc).__name__}: {exc}") from exc
         try:
             message = response.choices[0].message
-            calls = [RawCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
+            calls = [RawCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or [] if c.type == "function"]
             return Turn(message.content, calls)
         except (AttributeError, IndexError, TypeError) as exc:
             raise EndpointError(f"malformed chat completion: {str(response)[:200]!r}") from exc

@@ -83,7 +83,7 @@ class ScriptedServer:
     @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     @property
     def openai_base_url(self) -> str:

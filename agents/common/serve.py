@@ -149,6 +149,7 @@ async def run_child(target: Callable[[], Any], request: EpisodeRequest, log: str
     child = FORK.Process(target=_child_main, args=(target, send, request, log, os.getpid()), name=f"{log}-{request.id}")
     child.start()
     send.close()  # before any other fork: a later child must not hold this pipe's write end
+    assert child.pid is not None  # started above
     _own_group(child.pid)
     try:
         async with asyncio.timeout(timeout_s):
@@ -201,7 +202,7 @@ async def _first_ready(loop: asyncio.AbstractEventLoop, *fds: int) -> None:
     """Wait until one of the file descriptors is readable (a pipe with data, or a child's sentinel at its exit)."""
     ready: asyncio.Future[None] = loop.create_future()
     for fd in fds:
-        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+        loop.add_reader(fd, lambda: None if ready.done() else ready.set_result(None))
     try:
         await ready
     finally:

@@ -12,7 +12,7 @@ TOP_K = 2
 
 
 def _tokens(texts: list[str]) -> list[list[str]]:
-    return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)  # type: ignore[return-value]
+    return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
 
 
 class Index:

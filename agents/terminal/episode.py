@@ -91,7 +91,8 @@ def _step(box: Sandbox, episode: Episode, turn: int, content: list[dict[str, Any
 
 def _run_tool(box: Sandbox, episode: Episode, turn: int, use: dict[str, Any]) -> dict[str, Any]:
     """Execute one tool_use block; return its tool_result block."""
-    args = use.get("input") if isinstance(use.get("input"), dict) else {}
+    given = use.get("input")
+    args: dict[str, Any] = given if isinstance(given, dict) else {}
     command = args.get("command")
     if use.get("name") != "bash" or not isinstance(command, str) or set(args) != {"command"}:
         text, failed = "error: call bash with one string argument, command", True

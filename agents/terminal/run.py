@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import cast
 
 import click
 
 from agents.common import Episode
 from agents.common.cli import exit_for, record_episode
 from agents.common.loop import tls_context
-from agents.terminal.episode import expert_episode, model_episode
+from agents.terminal.episode import MessagesClient, expert_episode, model_episode
 from agents.terminal.tasks import UnknownTask, get_task
 
 NAME = "terminal"
@@ -36,7 +37,7 @@ def play(task_id: str, out: Path, max_turns: int, max_tokens: int, expert: bool)
         http_client=anthropic.DefaultHttpxClient(verify=tls_context()),
     )
     model = os.environ.get("ANTHROPIC_MODEL", "policy")
-    return model_episode(task, out, client.messages, model, max_turns, max_tokens)
+    return model_episode(task, out, cast(MessagesClient, client.messages), model, max_turns, max_tokens)
 
 
 @click.command()

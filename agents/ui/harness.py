@@ -96,8 +96,9 @@ def play(task_id: str, max_turns: int, max_tokens: int = 128, expert: bool = Fal
     app = make_app(task)
     tools = make_tools(app, task)
     screen = app.render()
-    policy = ExpertPolicy(task, screen) if expert else OpenAIPolicy(tools, max_tokens=max_tokens)
-    episode = Episode(harness=NAME, task_id=task_id, expert=expert, model="" if expert else policy.model)
+    policy: ExpertPolicy | OpenAIPolicy = ExpertPolicy(task, screen) if expert else OpenAIPolicy(tools, max_tokens=max_tokens)
+    model = policy.model if isinstance(policy, OpenAIPolicy) else ""
+    episode = Episode(harness=NAME, task_id=task_id, expert=expert, model=model)
     run_episode(policy, episode, system=SYSTEM, user=f"{task.instruction}\n\n{screen}", tools=tools, max_turns=max_turns)
     episode.state = {"app": task.app, "data": app.data, "screen": app.render()}
     return episode

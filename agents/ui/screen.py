@@ -68,7 +68,8 @@ class App:
         """(id, node) of the visible nodes in order; (0, None) marks hidden list items."""
         nodes = self.nodes(self.stack[-1])
         n_items = sum(node.item for node in nodes)
-        shown, index, out = range(self.offset, self.offset + self.visible_items), 0, []
+        shown, index = range(self.offset, self.offset + self.visible_items), 0
+        out: list[tuple[int, Node | None]] = []
         for node_id, node in enumerate(nodes, start=1):
             if node.item:
                 if index == self.offset and self.offset > 0:

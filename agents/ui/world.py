@@ -55,7 +55,7 @@ def _settings(rng: random.Random, used: set[str]) -> tuple:
     toggles = {t: rng.random() < 0.5 for ts in SECTIONS.values() for t in ts}
     section = rng.choice(sections)
     toggle = rng.choice(SECTIONS[section])
-    data = {"sections": sections, "toggles": toggles}
+    data: dict[str, Any] = {"sections": sections, "toggles": toggles}
     target = copy.deepcopy(data)
     target["toggles"][toggle] = not toggles[toggle]
     return "toggle", f"Turn {on_off(not toggles[toggle])} {toggle}.", data, target, (("tap", section), ("tap", toggle)), None
@@ -73,7 +73,7 @@ def _alarms(rng: random.Random, used: set[str]) -> tuple:
         text = f"Turn {on_off(not alarm['on'])} the {alarm['time']} alarm."
         return kind, text, data, target, (("tap", alarm["time"]),), None
     new = times[0]
-    target = {"alarms": sorted([*alarms, {"time": new, "on": True}], key=lambda a: a["time"])}
+    target = {"alarms": sorted([*alarms, {"time": new, "on": True}], key=lambda a: str(a["time"]))}
     if kind == "add":
         return kind, f"Add an alarm at {new}.", data, target, (("type", "New alarm", new), ("tap", "Add")), None
     plan = (("ask", "What time?"), ("type", "New alarm", "{reply}"), ("tap", "Add"))
@@ -113,7 +113,7 @@ def _shopping(rng: random.Random, used: set[str]) -> tuple:
     if kind == "buy":
         return kind, f"Add {product} to the cart.", data, target, (("tap", product), ("tap", "Add to cart")), None
     if kind == "quantity":
-        plan = (("tap", product), ("type", "Quantity", str(quantity)), ("tap", "Add to cart"))
+        plan: tuple[tuple[str, ...], ...] = (("tap", product), ("type", "Quantity", str(quantity)), ("tap", "Add to cart"))
         return kind, f"Add {quantity} {product} to the cart.", data, target, plan, None
     product_kind = product.split()[1]
     plan = (("ask", f"Which {product_kind}?"), ("tap", "{reply}"), ("tap", "Add to cart"))

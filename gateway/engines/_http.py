@@ -4,7 +4,7 @@ only, and translation of aiohttp / HTTP failures into the engine exception tree.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -147,7 +147,7 @@ class Transport:
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
-    async def sse(self, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+    async def sse(self, path: str, body: dict[str, Any]) -> AsyncGenerator[Any, None]:
         """POST with streaming and yield each `data: {...}` event decoded, until `data: [DONE]` or EOF.
 
         Connecting is retried on transport errors; once bytes have flowed nothing is retried (the

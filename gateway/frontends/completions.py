@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import orjson
@@ -47,7 +47,7 @@ class CompletionRequest(BaseModel):
 
 def _prompts(req: CompletionRequest, vocab: int) -> list[str | list[int]]:
     p = req.prompt
-    batch: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)  # type: ignore[list-item]
+    batch = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(cast(list[str | list[int]], p))
     if not batch or any(len(x) == 0 for x in batch):
         raise invalid("prompt must not be empty", param="prompt")
     for ids in batch:

@@ -302,7 +302,7 @@ class EngineStream:
 
     async def aclose(self) -> None:
         try:
-            await self._rest.aclose()  # type: ignore[attr-defined]
+            await self._rest.aclose()
         finally:
             await self._admit.__aexit__(None, None, None)
 

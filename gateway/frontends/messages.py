@@ -197,7 +197,7 @@ class MessagesEmitter:
                           "cache_read_input_tokens": prompt.reused}}
 
     def start(self, prompt: Prompt) -> bytes:
-        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+        message: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": len(prompt.ids), "output_tokens": 0}}
         return _sse("message_start", {"message": message})

@@ -92,7 +92,7 @@ class HeaderTimeoutH11(H11Protocol):
         """The protocol class to hand uvicorn (`http=`) for a header timeout of `seconds`."""
         return type(cls.__name__, (cls,), {"header_timeout": seconds})
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm_header_timer()
 

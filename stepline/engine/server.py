@@ -133,7 +133,7 @@ async def generate(req: GenerateRequest, request: Request, st: _State = Depends(
     # on a worker thread: tokenising a long text must not stall every other request's stream
     specs, is_batch = await run_in_threadpool(expand, req, st.vocab_size, st.context_length, st.tokenizer.encode,
                                               lambda: uuid.uuid4().hex)
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    loop, events = asyncio.get_running_loop(), asyncio.Queue[Any]()
     seqs = [Sequence(spec, _notifier(loop, events, spec.index), stream=req.stream) for spec in specs]
     started = time.perf_counter()
     for seq in seqs:
