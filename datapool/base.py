@@ -10,10 +10,15 @@ Exceptions (all subclasses of `PoolError`):
     ├── InvalidRecord      a record contradicts itself or refers to something unknown (nothing written)
     ├── UnknownSession     no such session
     └── ReadOnlyPool       a write to a pool opened read-only
+
+Not errors of the records but of the moment (`is_unavailable`): the pool service unreachable
+(`client.PoolUnavailable`, a ConnectionError), the database locked, out of disk, its connection lost.
 """
 
 from __future__ import annotations
 
+import sqlite3
+import sys
 from typing import Protocol
 
 from datapool.records import CallRecord, EpisodeData, Group, LeafRule, Reward, SessionInfo, SessionTree
@@ -33,6 +38,16 @@ class UnknownSession(PoolError):
 
 class ReadOnlyPool(PoolError):
     """A write was attempted on a pool opened read-only."""
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """True when a pool failed for now and the same write may succeed later: unreachable, the database
+    locked, out of disk or its connection lost. Anything else a pool raises is a refusal (`PoolError`)
+    or a bug, and retrying it would only hide it."""
+    if isinstance(exc, ConnectionError | TimeoutError | sqlite3.OperationalError):
+        return True
+    psycopg = sys.modules.get("psycopg")  # imported by the PostgreSQL pool, only where one is used
+    return psycopg is not None and isinstance(exc, psycopg.OperationalError)
 
 
 class Pool(Protocol):

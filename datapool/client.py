@@ -19,11 +19,11 @@ import os
 from typing import Any
 
 import httpx
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from datapool import wire
 from datapool.base import InvalidRecord, PoolError, ReadOnlyPool, UnknownSession
 from datapool.records import CallRecord, EpisodeData, Group, LeafRule, Reward, SessionInfo, SessionTree
+from httpretry import RetryPolicy, Unavailable, transport_error
 
 ERRORS: dict[str, type[PoolError]] = {
     "InvalidRecord": InvalidRecord, "UnknownSession": UnknownSession, "ReadOnlyPool": ReadOnlyPool,
@@ -39,12 +39,6 @@ class PoolUnauthorized(PermissionError):
     """The pool service refused this client's token for the method (HTTP 401)."""
 
 
-class _Retryable(Exception):
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
-
-
 class PoolClient:
     def __init__(self, url: str, read_only: bool = False, timeout: float = 60.0, batch_size: int = 512,
                  attempts: int = 5, token: str | None = None) -> None:
@@ -54,29 +48,16 @@ class PoolClient:
         token = token or os.environ.get("STEPLINE_POOL_TOKEN")
         headers = {"Authorization": f"Bearer {token}"} if token else None
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
-        self._attempts = attempts
+        self._retry = RetryPolicy(attempts, backoff=0.1, max_backoff=2.0)
 
     def _call(self, method: str, **args: Any) -> Any:
-        @retry(retry=retry_if_exception(lambda e: isinstance(e, _Retryable)), reraise=True,
-               stop=stop_after_attempt(self._attempts), wait=wait_exponential(multiplier=0.1, max=2.0))
-        def attempt() -> Any:
-            try:
-                response = self._http.post(f"/v1/{method}", content=wire.packb(args),
-                                           headers={"content-type": "application/msgpack"})
-            except httpx.ConnectError as exc:
-                raise _Retryable(exc) from exc
-            except httpx.TransportError as exc:
-                if method in NOT_RESENT:
-                    raise PoolUnavailable(f"pool service {self.url}: {exc!r} (not retried: {method})") from exc
-                raise _Retryable(exc) from exc
-            if response.status_code == 503:
-                raise _Retryable(PoolUnavailable(response.text))
-            return response
-
+        resend = method not in NOT_RESENT  # a connect error is retried either way: the request never left
         try:
-            response = attempt()
-        except _Retryable as exc:
-            raise PoolUnavailable(f"pool service {self.url}: {exc.cause!r}") from exc.cause
+            response = self._retry.call(self._post, method, args, retry_on=transport_error(resend))
+        except (httpx.TransportError, Unavailable) as exc:
+            retried = resend or isinstance(exc, httpx.ConnectError | Unavailable)
+            note = "" if retried else f" (not retried: {method})"
+            raise PoolUnavailable(f"pool service {self.url}: {exc!r}{note}") from exc
         body = _decode(response)
         if response.status_code == 401:
             raise PoolUnauthorized(f"pool service {self.url}: {method}: {response.text}")
@@ -84,6 +65,12 @@ class PoolClient:
             err = body.get("error", {}) if isinstance(body, dict) else {}
             raise ERRORS.get(err.get("type", ""), PoolError)(err.get("message", response.text))
         return body["result"]
+
+    def _post(self, method: str, args: dict[str, Any]) -> httpx.Response:
+        response = self._http.post(f"/v1/{method}", content=wire.packb(args), headers={"content-type": "application/msgpack"})
+        if response.status_code == 503:  # the service's database failed for now (locked, I/O, connection lost)
+            raise Unavailable(response.text)
+        return response
 
     def _write(self) -> None:
         if self.read_only:

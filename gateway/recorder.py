@@ -9,9 +9,13 @@ Failure policy:
 - the pool refuses a record as invalid (`PoolError`: InvalidRecord, UnknownSession, ReadOnlyPool):
   a batch is retried record by record so only the bad ones are refused; a refused call is counted and
   logged (never silently dropped); a refused session / reward / end raises in its waiting caller.
-- anything else (the pool is down, the database is locked, a network error): the batch stays at the
-  head of the queue and is retried with exponential backoff capped at `max_backoff` s. The queue keeps
-  filling meanwhile; `has_capacity()` turns False at `max_queue`, and the app answers 503.
+- the pool is unavailable for now (`datapool.base.is_unavailable`: the service unreachable, the database
+  locked, a lost connection): the batch stays at the head of the queue and is retried with exponential
+  backoff capped at `max_backoff` s. The queue keeps filling meanwhile; `has_capacity()` turns False at
+  `max_queue`, and the app answers 503.
+- anything else (a bug, a refused token): the recorder stops loudly. The error is logged with its
+  traceback, waiting callers get it, `failure` holds it, `has_capacity()` turns False (the app answers
+  503) and the queued records stay unwritten (counted at close): an error is never retried as an outage.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 import zstandard
 
-from datapool.base import Pool, PoolError
+from datapool.base import Pool, PoolError, is_unavailable
 from datapool.records import CallRecord, Reward, SessionInfo
 from gateway import metrics
 
@@ -71,6 +75,7 @@ class Recorder:
         self.written = 0  # calls committed
         self.dropped = 0  # calls the pool refused as invalid (each logged)
         self.pool_errors = 0  # failed writes (each retried)
+        self.failure: BaseException | None = None  # what stopped the worker: not an outage (see above)
 
     # --- lifecycle ---
     async def start(self) -> None:
@@ -98,7 +103,7 @@ class Recorder:
         return self._inbox.qsize() + len(self._pending)
 
     def has_capacity(self) -> bool:
-        return self.depth() < self.max_queue
+        return self.failure is None and self.depth() < self.max_queue
 
     def record_call(self, record: CallRecord, compress: bool = False) -> None:
         """Queue a call record; never blocks (check `has_capacity()` before dispatching).
@@ -128,6 +133,8 @@ class Recorder:
     async def _submit(self, kind: str, payload: Any) -> None:
         if self._thread is None:
             raise RuntimeError("Recorder.start() was not called (or it is closed)")
+        if self.failure is not None:
+            raise RuntimeError(f"the recorder stopped: {self.failure!r}") from self.failure
         done: Future[None] = Future()
         self._inbox.put(_Item(kind, payload, done))
         await asyncio.wrap_future(done)
@@ -140,8 +147,11 @@ class Recorder:
                 continue
             try:
                 self._write(batch)
-            except Exception as exc:  # noqa: BLE001 - the pool is down: keep the batch, back off, retry
-                self.pool_errors += 1
+            except Exception as exc:
+                if not is_unavailable(exc):  # a bug or a refusal, not an outage: stop, loudly
+                    self._fail(exc)
+                    return
+                self.pool_errors += 1  # the pool is down: keep the batch, back off, retry
                 metrics.POOL_ERRORS.inc()
                 backoff = min(self.max_backoff, max(0.05, backoff * 2))
                 log.warning("pool write failed (%r); %d records queued, retry in %.2f s", exc, self.depth(), backoff)
@@ -261,12 +271,24 @@ class Recorder:
         self.written += n
         metrics.RECORDS_WRITTEN.inc(n)
 
-    def _give_up(self, exc: Exception) -> None:
+    def _fail(self, exc: Exception) -> None:
+        self.failure = exc
+        self._drain()
+        calls = sum(1 for item in self._pending if item.kind == "call")
+        log.error("recorder stopped: the pool raised %r, which is no outage; %d call records NOT written",
+                  exc, calls, exc_info=exc)
+        for item in self._pending:
+            _resolve(item.done, exc)
+
+    def _drain(self) -> None:
         while True:
             try:
                 self._take(self._inbox.get_nowait())
             except queue.Empty:
                 break
+
+    def _give_up(self, exc: Exception) -> None:
+        self._drain()
         lost = list(self._pending)
         calls = sum(1 for item in lost if item.kind == "call")
         log.error("pool unavailable at shutdown (%r): %d call records NOT written", exc, calls)

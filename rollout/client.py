@@ -4,6 +4,8 @@ imports the gateway). Formats: POST /sessions, /sessions/<id>/reward, /sessions/
 Exceptions:
 
     GatewayError        the gateway refused (4xx) or stayed unreachable/overloaded after bounded retries
+
+Transport errors and the gateway's 502/503/504 are retried (httpretry); a 4xx never is.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from httpretry import RetryPolicy, Unavailable, transport_error
 
 __all__ = ["GatewayClient", "GatewayError", "SessionHandle"]
 
@@ -37,10 +40,6 @@ class SessionHandle:
         }
 
 
-class _Retryable(Exception):
-    """A transport error or 429/502/503/504: worth another try."""
-
-
 class GatewayClient:
     """Opens, rewards and ends sessions. Use as `async with GatewayClient(url, token) as gw:`."""
 
@@ -48,7 +47,7 @@ class GatewayClient:
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.url = url.rstrip("/")
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
-        self._attempts = attempts
+        self._retry = RetryPolicy(attempts, backoff=0.2, max_backoff=5.0)
 
     async def __aenter__(self) -> GatewayClient:
         return self
@@ -71,25 +70,17 @@ class GatewayClient:
         await self._post(f"/sessions/{session_id}/end", {"status": status})
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self._attempts), wait=wait_exponential(0.2, max=5.0),
-            retry=retry_if_exception(lambda e: isinstance(e, _Retryable)), reraise=True,
-        )
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    return await self._post_once(path, body)
-        except _Retryable as exc:
+        try:  # sessions, rewards and ends are safe to send twice (the gateway's reaper ends a lost session)
+            return await self._retry.acall(lambda: self._post_once(path, body), retry_on=transport_error(resend=True))
+        except httpx.TransportError as exc:
+            raise GatewayError(f"POST {path}: {type(exc).__name__}: {exc}") from exc
+        except Unavailable as exc:
             raise GatewayError(f"POST {path}: {exc}") from exc
-        raise AssertionError("unreachable")
 
     async def _post_once(self, path: str, body: dict[str, Any]) -> Any:
-        try:
-            response = await self._http.post(path, json=body)
-        except httpx.TransportError as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code in (429, 502, 503, 504):
-            raise _Retryable(f"HTTP {response.status_code}")
+        response = await self._http.post(path, json=body)
+        if response.status_code in (502, 503, 504):
+            raise Unavailable(f"HTTP {response.status_code}")
         if response.status_code >= 400:
             raise GatewayError(f"POST {path}: HTTP {response.status_code}: {response.text[:300]}")
         return response.json() if response.content else None

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("stepline", "gateway", "datapool", "trainer", "rollout", "agents", "deploy")
+PACKAGES = ("stepline", "gateway", "datapool", "trainer", "rollout", "agents", "deploy", "httpretry")
 THIRD_PARTY = ("torch", "transformers", "peft", "accelerate")  # the heavy training stack
 
 # package -> packages it must never import (the composition root, stepline, is imported by nobody)
@@ -30,6 +30,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "agents": {"gateway", "datapool", "trainer", "rollout", "stepline"},  # harnesses are black boxes
     "deploy": {"agents", "stepline"},
     "stepline": {"agents"},  # agents run as separate processes, never imported
+    "httpretry": {"stepline", "gateway", "datapool", "trainer", "rollout", "agents", "deploy"},  # used by all
 }
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Protocol
 
 import httpx
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 from torch import nn
 
+from httpretry import RetryPolicy, transport_error
 from trainer.trainable import full_state_dict, has_lora
 
 __all__ = ["GatewayWeightSync", "NoWeightSync", "RecordingWeightSync", "WeightSync", "WeightSyncError",
@@ -76,13 +76,12 @@ class GatewayWeightSync:
                  backoff: float = 0.2, transport: httpx.BaseTransport | None = None) -> None:
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self._http = httpx.Client(base_url=gateway_url, headers=headers, timeout=timeout, transport=transport)
-        self._retrying = Retrying(retry=retry_if_exception_type(httpx.TransportError), stop=stop_after_attempt(attempts),
-                                  wait=wait_exponential(multiplier=backoff, max=5), reraise=True)
+        self._retry = RetryPolicy(attempts, backoff, max_backoff=5.0)
 
     def push(self, path: Path, version: int) -> None:
         try:
-            response = self._retrying(self._http.post, "/admin/update_weights",
-                                      json={"path": str(Path(path).resolve()), "version": version})
+            response = self._retry.call(self._http.post, "/admin/update_weights", retry_on=transport_error(resend=True),
+                                        json={"path": str(Path(path).resolve()), "version": version})
         except httpx.TransportError as exc:
             raise WeightSyncError(f"gateway unreachable at {self._http.base_url}: {exc}") from exc
         if response.status_code != 200:

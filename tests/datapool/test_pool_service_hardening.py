@@ -53,7 +53,7 @@ def test_tokens_separate_read_write_and_claim(tmp_path) -> None:
         reader = PoolClient(url, token="r")
         assert reader.stats() is not None
         assert PoolClient(url, token="c").claim_groups("x", 0, 1) == []
-        with pytest.raises(PoolUnauthorized):  # not a PoolError: the recorder keeps, not drops, its records
+        with pytest.raises(PoolUnauthorized):  # not a PoolError: the recorder never drops it as invalid
             PoolClient(url).end_session("s")
         for client in (writer, reader):
             client.close()

@@ -241,3 +241,57 @@ async def test_pool_service_outage_loses_nothing(tmp_path: Path) -> None:
     assert sorted(database.get_tree("s").calls) == [0, 1, 2, 3]
     assert database.get_session("s").status == "completed" and recorder.dropped == 0
     database.close()
+
+
+class BrokenPool(MemoryPool):
+    """A pool whose code has a bug: every call write raises something that is no outage."""
+
+    def add_calls(self, records: list[CallRecord]) -> None:
+        self.batches.append([r.call_index for r in records])
+        raise KeyError("a bug in the pool")
+
+
+async def test_a_bug_in_the_pool_stops_the_recorder_loudly(caplog) -> None:
+    """Only outages are retried: an error that is not one stops the recorder at once, with the traceback,
+    instead of looking like an outage that never ends."""
+    pool = BrokenPool()
+    recorder = Recorder(pool, flush_interval=0.001, max_backoff=0.01)
+    await recorder.start()
+    await recorder.create_session(SessionInfo("s", "task", "h"))
+    with caplog.at_level(logging.ERROR, logger="gateway.recorder"):
+        recorder.record_call(call("s", 0))
+        with pytest.raises(KeyError, match="a bug in the pool"):  # the waiting caller behind it gets the error
+            await asyncio.wait_for(recorder.end_session("s", "completed"), 5)
+    assert len(pool.batches) == 1  # tried once, not retried
+    assert isinstance(recorder.failure, KeyError) and recorder.pool_errors == 0
+    assert not recorder.has_capacity()  # the app answers 503 from now on
+    assert "which is no outage" in caplog.text and "Traceback" in caplog.text
+    with pytest.raises(RuntimeError, match="the recorder stopped"):
+        await recorder.add_reward(Reward("s", 1.0))
+    with caplog.at_level(logging.ERROR, logger="gateway.recorder"):
+        await recorder.aclose()
+    assert recorder.written == 0 and "records the pool never accepted" in caplog.text  # and says so
+
+
+async def test_a_locked_database_is_an_outage_and_is_retried() -> None:
+    import sqlite3
+
+    pool = MemoryPool()
+    calls = 0
+    add_calls = pool.add_calls
+
+    def locked_once(records: list[CallRecord]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise sqlite3.OperationalError("database is locked")
+        add_calls(records)
+
+    pool.add_calls = locked_once  # type: ignore[method-assign]
+    recorder = Recorder(pool, flush_interval=0.001, max_backoff=0.01)
+    await recorder.start()
+    recorder.record_call(call("s", 0))
+    await recorder.flush()
+    await recorder.aclose()
+    assert calls == 2 and recorder.pool_errors == 1 and recorder.failure is None
+    assert pool.ops == [("call", 0)]
