@@ -23,7 +23,7 @@ from datapool.records import EpisodeData, Group, Trajectory
 from trainer.algorithms import AdvantageInputs, group_index
 from trainer.tree_forward import PackedForest, pack_forest, training_nodes
 
-__all__ = ["Batch", "TokenView", "build_batch", "micro_batches", "token_view"]
+__all__ = ["Batch", "TokenView", "build_batch", "token_view"]
 
 
 @dataclass
@@ -138,11 +138,6 @@ def token_view(batch: Batch, episode_indices: list[int]) -> TokenView:
     rows = torch.tensor([batch.token_rows[(int(e), int(c))] for e, c in zip(global_episode, forest.call_index)],
                         dtype=torch.int64)
     return TokenView(forest=forest, step_ids=rows, traj_ids=batch.step_traj[rows], episode_ids=global_episode)
-
-
-def micro_batches(episode_indices: list[int], per_micro: int) -> list[list[int]]:
-    """Split episodes into forward passes of at most `per_micro` sessions (a session is never split)."""
-    return [episode_indices[i : i + per_micro] for i in range(0, len(episode_indices), per_micro)]
 
 
 def action_tokens(episode: EpisodeData) -> int:

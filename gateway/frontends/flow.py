@@ -183,7 +183,3 @@ async def _try_write(response: web.StreamResponse, data: bytes) -> None:
 
 def usage(prompt: Prompt, choices: list[Choice]) -> tuple[int, int]:
     return len(prompt.ids), sum(len(c.generation.output_ids) for c in choices)
-
-
-def as_text(value: Any) -> str:
-    return value if isinstance(value, str) else ""
