@@ -112,8 +112,9 @@ def test_a_slow_producer_is_waited_for_while_it_runs(tiny_model_dir: Path, tmp_p
     import threading
     import time
 
-    from trainer.weight_sync import NoWeightSync
     from trainer_helpers import rollout
+
+    from trainer.weight_sync import NoWeightSync
 
     pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}?synchronous=normal")
     model = SamplerSync(tiny_model_dir, pool, None).model
