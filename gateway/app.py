@@ -28,9 +28,9 @@ from gateway.frontends.core import Core
 from gateway.frontends.errors import ApiError, Flavour, error_response
 from gateway.frontends.session_routes import SessionRoutes
 from gateway.metrics import metrics_routes
+from gateway.profile import detect
 from gateway.recorder import Recorder
 from gateway.sessions import SessionStore
-from gateway.profile import detect
 from gateway.templating import load_template
 from gateway.tool_prompt import injector
 from gateway.weights import WeightGate

@@ -16,6 +16,7 @@ template (never by model name alone), printed at start and overridable by flags:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, check_names, make_parser
 from gateway.parsers.base import collect
@@ -23,9 +24,9 @@ from gateway.templating import ChatTemplate, Message, TemplateError
 
 __all__ = ["ModelProfile", "detect"]
 
+_PROBE_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
 _PROBE_TOOL = {"type": "function", "function": {
-    "name": "stepline_probe", "description": "Probe tool.",
-    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+    "name": "stepline_probe", "description": "Probe tool.", "parameters": _PROBE_PARAMETERS}}
 _PROBE_CALL = {"id": "call_probe", "type": "function",
                "function": {"name": "stepline_probe", "arguments": '{"q": "probe"}'}}
 # formats tried on the template's own rendering of a call, most specific first
@@ -85,7 +86,7 @@ def _tool_parser(template: ChatTemplate) -> str | None:
     body = full[len(prefix):] if full.startswith(prefix) else full[full.rfind("hi") + 2:]
     body = body.split(template.eos_token)[0]
     for name in _CANDIDATES:
-        parser = make_parser(name, "qwen3", True, {"stepline_probe": _PROBE_TOOL["function"]["parameters"]})
+        parser = make_parser(name, "qwen3", True, {"stepline_probe": _PROBE_PARAMETERS})
         calls = collect(parser.feed(body) + parser.finish()).tool_calls
         if [(c.name, c.arguments) for c in calls] == [("stepline_probe", '{"q": "probe"}')]:
             return name

@@ -32,7 +32,9 @@ def _calls(body: str) -> list[str] | None:
 
 def parse_v3(body: str, tools: ToolSpecs) -> list[ToolCall] | None:
     out = []
-    for inner in _calls(body) or [None]:
+    found = _calls(body)
+    inners: list[str | None] = list(found) if found else [None]
+    for inner in inners:
         match = _V3.match(inner) if inner is not None else None
         call = make_call(match.group(1).strip(), match.group(2), tools) if match else None
         if call is None:

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import json
 
-from gateway.parsers.base import ToolCall, ToolFormat, ToolSpecs, call_arguments, call_name, json_calls, load_json, make_call
+from gateway.parsers.base import (
+    ToolCall,
+    ToolFormat,
+    ToolSpecs,
+    call_arguments,
+    call_name,
+    json_calls,
+    load_json,
+    make_call,
+)
 
 OPEN = "[TOOL_CALLS]"
 
