@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up Stepline from nothing: a virtual environment with the CPU build of torch, the project and its
-# test tools, the cached Qwen3 tokenizer files and the SmolLM2 GGUF file. Idempotent: a second run only checks.
+# test tools, the cached Qwen3 tokenizer files, the SmolLM2 GGUF file and uPlot (the dashboard's charts). Idempotent: a second run only checks.
 # To use a CUDA build instead: STEPLINE_TORCH="torch" bash scripts/setup.sh  (or install torch first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
