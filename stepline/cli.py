@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "replay": "trainer.cli:replay_command",
     "eval": "rollout.evaluate:eval_command",
     "run": "stepline.run:run_command",
+    "dashboard": "stepline.dashboard.cli:dashboard_command",
 }
 
 HELP: dict[str, str] = {
@@ -33,6 +34,7 @@ HELP: dict[str, str] = {
     "replay": "Train offline from a stored or exported pool, no engine needed.",
     "eval": "Evaluate the current policy on every harness's test split.",
     "run": "Run a whole job: model, SFT warm start, services, RL, evaluation (the main job).",
+    "dashboard": "Serve a read-only web dashboard of a run or a pool (charts, episodes, trees of steps).",
 }
 
 
