@@ -270,7 +270,9 @@ def _overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.argument("job", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a job field, e.g. --set rl_updates=2 --set run_dir=runs/x (TOML values).")
-def run_command(job: Path, overrides: tuple[str, ...]) -> None:
+@click.option("--dashboard-port", type=click.IntRange(0, 65535), default=None,
+              help="Also serve `stepline dashboard` of the run on 127.0.0.1 at this port (0: a free one).")
+def run_command(job: Path, overrides: tuple[str, ...], dashboard_port: int | None) -> None:
     """Run a whole job: model, SFT warm start, services, RL, evaluation, plot and summary."""
     from transformers.utils import logging as hf_logging
 
@@ -278,8 +280,12 @@ def run_command(job: Path, overrides: tuple[str, ...]) -> None:
 
     logging.basicConfig(level=os.environ.get("STEPLINE_LOG", "WARNING"))
     hf_logging.disable_progress_bar()  # HF's loading/saving bars would tear through the live panel
+    from stepline.dashboard.cli import dashboard_beside
+
     try:
-        summary = run_job(load_job(job, _overrides(overrides)))
+        cfg = load_job(job, _overrides(overrides))
+        with dashboard_beside([str(cfg.run_dir)], dashboard_port, cfg.run_dir / "logs"):
+            summary = run_job(cfg)
     except JobError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_summary(summary))

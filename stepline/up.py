@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 import httpx
 
+from stepline.dashboard.cli import dashboard_beside
 from stepline.lifeline import PARENT_PID_ENV
 
 __all__ = ["up_command"]
@@ -154,6 +155,8 @@ Ctrl-C stops everything (the gateway flushes its records to the pool first).
               help="Prompt + output token limit of the built-in engine and the gateway (default: the model's; "
                    "the gateway lowers it to the engine's own limit).")
 @click.option("--startup-timeout", default=180.0, show_default=True, help="Seconds each service may take to start.")
+@click.option("--dashboard-port", type=click.IntRange(0, 65535), default=None,
+              help="Also serve `stepline dashboard` of the pool on 127.0.0.1 at this port (0: a free one).")
 def up_command(
     model_dir: Path,
     port: int,
@@ -165,6 +168,7 @@ def up_command(
     admin_token: str | None,
     context_length: int | None,
     startup_timeout: float,
+    dashboard_port: int | None,
 ) -> None:
     """Start engine, pool and gateway together and print how to point an agent at them."""
     logs = state_dir / "logs"
@@ -218,8 +222,10 @@ def up_command(
         wait_healthy(by_name["gateway"], gateway_url, startup_timeout)
         click.echo(instructions(gateway_url, engine_url, pool_url, admin_token, open_session(gateway_url, admin_token)))
         click.echo(f"Logs: {logs}", err=True)
-        while all(c.proc.poll() is None for c in children):
-            time.sleep(0.5)
+        reader = {"STEPLINE_POOL_TOKEN": pool_tokens["STEPLINE_POOL_READ_TOKEN"]}
+        with dashboard_beside(["--pool", pool_url], dashboard_port, logs, reader, startup_timeout):
+            while all(c.proc.poll() is None for c in children):
+                time.sleep(0.5)
         dead = next(c for c in children if c.proc.poll() is not None)
         raise click.ClickException(f"{dead.name} exited with code {dead.proc.returncode}:\n{tail(dead.log)}")
     except KeyboardInterrupt:

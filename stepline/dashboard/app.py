@@ -1,5 +1,6 @@
 """The dashboard's aiohttp application: a static page and a read-only JSON API.
 
+    GET /health                   200 when serving (the only route open without the token)
     GET /                         the page (static/index.html; static/app.js draws it, no build step)
     GET /vendor/<file>            uPlot's script and stylesheet from the asset cache (stepline.assets)
     GET /api/info                 what is shown: run directory or pool, leaf rule, tokenizer, charts available
@@ -105,7 +106,7 @@ def _token_middleware(token: str | None) -> Callable[..., Awaitable[web.StreamRe
 
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        if token is None:
+        if token is None or request.path == "/health":
             return await handler(request)
         auth = request.headers.get("Authorization", "")
         given = [auth[7:].strip() if auth[:7].lower() == "bearer " else "", request.cookies.get(COOKIE, ""),
@@ -130,6 +131,10 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
         if exc.status < 400:
             raise
         return error(exc.status, exc.reason.replace(" ", ""), exc.text or exc.reason)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
 
 
 async def index_page(request: web.Request) -> web.StreamResponse:
@@ -209,9 +214,13 @@ async def episode(request: web.Request) -> web.Response:
 
 async def _refresh_forever(app: web.Application) -> None:
     state = app[STATE]
+    loop = asyncio.get_running_loop()
     while True:
+        started = loop.time()
         await state.in_pool_thread(lambda: state.index.refresh(state.verdicts()))
-        await asyncio.sleep(state.config.poll_s)
+        # a big pool's refresh takes a while (10k sessions: ~0.5 s to list them): wait at least three
+        # times as long as it took, so the dashboard never keeps more than a quarter of a core busy
+        await asyncio.sleep(max(state.config.poll_s, 3 * (loop.time() - started)))
 
 
 async def _start(app: web.Application) -> None:
@@ -237,6 +246,7 @@ def make_app(config: DashboardConfig) -> web.Application:
     index = SessionIndex(lambda: open_pool(pool_url, read_only=True))
     app = web.Application(middlewares=[_json_errors, _token_middleware(config.token)])
     app[STATE] = _State(config, run_files, index)
+    app.router.add_get("/health", health)
     app.router.add_get("/", index_page)
     app.router.add_static("/static/", STATIC, show_index=False)
     app.router.add_get("/vendor/{name}", vendor)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
-__all__ = ["dashboard_command", "is_loopback", "serve_dashboard"]
+__all__ = ["dashboard_beside", "dashboard_command", "is_loopback", "serve_dashboard"]
 
 DEFAULT_PORT = 8400
 
@@ -67,6 +69,27 @@ def serve_dashboard(run_dir: Path | None, pool: str | None, host: str, port: int
         asyncio.run(main())
     except KeyboardInterrupt:
         pass
+
+
+@contextmanager
+def dashboard_beside(target: list[str], port: int | None, logs: Path, env: dict[str, str] | None = None,
+                     timeout: float = 60.0) -> Iterator[str | None]:
+    """`stepline dashboard TARGET…` as a child of `stepline run` / `stepline up` on 127.0.0.1:PORT (0: a
+    free port; None: no dashboard), printed and yielded as its URL; stopped on exit."""
+    if port is None:
+        yield None
+        return
+    from stepline.up import free_port, start, stop_all, wait_healthy
+
+    logs.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{port or free_port()}"
+    child = start("dashboard", ["dashboard", *target, "--port", url.rsplit(":", 1)[1]], logs, env)
+    try:
+        wait_healthy(child, url, timeout)
+        click.echo(f"dashboard: {url}/")
+        yield url + "/"
+    finally:
+        stop_all([child])
 
 
 @click.command("dashboard")

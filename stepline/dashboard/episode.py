@@ -51,7 +51,9 @@ def _piece(ids: list[int], i: int, decode: Decoder) -> tuple[str, int]:
     if text.endswith(REPLACEMENT):
         for n in range(2, min(MAX_MERGE, len(ids) - i) + 1):
             merged = decode(ids[i:i + n])
-            if not merged.endswith(REPLACEMENT):
+            # completed: no cut character at the end, and one fewer replacement than the token alone
+            # (a byte that no later token completes is not merged with what follows)
+            if not merged.endswith(REPLACEMENT) and merged.count(REPLACEMENT) < text.count(REPLACEMENT):
                 return merged, n
     return text, 1
 

@@ -297,3 +297,21 @@ def test_sessions_list_nan_reward_filter_is_empty_not_an_error(run_fixture):
             assert response.status == 200 and (await response.json())["total"] == 0
 
     asyncio.run(check())
+
+
+def test_run_and_up_start_it_beside_them(tmp_path, run_fixture):
+    import httpx
+
+    from stepline.dashboard.cli import dashboard_beside
+
+    with dashboard_beside(["--pool", f"sqlite:///{run_fixture.root / 'pool.db'}"], 0, tmp_path / "logs") as url:
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        info = httpx.get(f"{url}api/info", timeout=10).json()  # loopback: no token needed
+        assert info["pool"].endswith("pool.db") and info["run_dir"] is None
+    try:
+        httpx.get(f"{url}health", timeout=2)
+        raise AssertionError("the dashboard outlived the command that started it")
+    except httpx.TransportError:
+        pass
+    with dashboard_beside(["--pool", "sqlite:///x.db"], None, tmp_path / "logs") as nothing:
+        assert nothing is None  # no --dashboard-port: no dashboard
