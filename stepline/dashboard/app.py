@@ -253,7 +253,7 @@ def make_app(config: DashboardConfig) -> web.Application:
     app.router.add_get("/api/info", info)
     app.router.add_get("/api/run", run)
     app.router.add_get("/api/sessions", sessions)
-    app.router.add_get("/api/sessions/{session_id}", episode)
+    app.router.add_get("/api/sessions/{session_id:.+}", episode)
     app.on_startup.append(_start)
     app.on_cleanup.append(_stop)
     return app
