@@ -27,7 +27,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         "model.kind": "tiny", "model.hidden_size": 32, "model.num_layers": 1,
         "sft.demos_per_harness": 2, "sft.trainer": {"epochs": 2, "groups_per_update": 6, "lr": 3e-3,
                                                     "tensorboard": False},
-        "trainer.groups_per_update": 2, "trainer.micro_batch_episodes": 4, "trainer.dynamic_sampling": False,
+        "trainer.groups_per_update": 2, "trainer.minibatches": 1, "trainer.micro_batch_episodes": 4, "trainer.dynamic_sampling": False,
         "trainer.train_layers": None,
         "rollout.group_size": 2, "rollout.max_concurrency": 4, "eval.limit": 1,
     })
