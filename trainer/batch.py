@@ -38,6 +38,8 @@ class Batch:
     step_reward: torch.Tensor  # float32 [S]: dense per-step reward
     step_state: torch.Tensor  # int64 [S]: anchor-state id: equal for steps whose observation tokens are equal
     token_rows: dict[tuple[int, int], int]  # (episode, call_index) -> the step row that owns the call's tokens
+    contexts: list[np.ndarray]  # S views int32 [P]: each step's state s_t, the tokens before its action
+    references: list[np.ndarray | None]  # E: token ids of the episode's gold answer (IGPO), None if it has none
     group_ids: list[str]  # every claimed group, trained or skipped (all are consumed)
     sessions: dict[str, list[str]]  # group id -> its session ids
     skipped: Counter = field(default_factory=Counter)  # reason -> groups skipped
@@ -51,11 +53,12 @@ class Batch:
         return torch.tensor([self.token_rows[(int(e), int(c))] for e, c in zip(self.step_episode, self.step_call)],
                             dtype=torch.int64)
 
-    def advantage_inputs(self, values: torch.Tensor | None = None) -> AdvantageInputs:
+    def advantage_inputs(self, values: torch.Tensor | None = None,
+                         gold_prob: torch.Tensor | None = None) -> AdvantageInputs:
         return AdvantageInputs(outcome=self.outcome, episode_group=self.episode_group,
                                step_episode=self.step_episode, step_traj=self.step_traj,
                                step_position=self.step_position, step_reward=self.step_reward, values=values,
-                               step_state=self.step_state)
+                               step_state=self.step_state, gold_prob=gold_prob)
 
 
 @dataclass
@@ -80,10 +83,12 @@ def finite_group(group: Group) -> bool:
 
 def build_batch(groups: list[Group], keep_group: Callable[[Group], str | None] = lambda g: None,
                 shaping: Callable[[EpisodeData], float] = lambda e: 0.0,
-                keep_episode: Callable[[EpisodeData], bool] = lambda e: True) -> Batch:
+                keep_episode: Callable[[EpisodeData], bool] = lambda e: True,
+                reference_ids: Callable[[EpisodeData], np.ndarray | None] = lambda e: None) -> Batch:
     """Flatten groups into step rows. `keep_group` returns a reason to skip a group (or None to keep it);
     groups with non-finite rewards or logprobs are always skipped; `shaping` adds to each outcome;
-    `keep_episode` filters episodes of kept groups (SFT: chosen episodes only)."""
+    `keep_episode` filters episodes of kept groups (SFT: chosen episodes only); `reference_ids` gives an
+    episode's gold-answer tokens (trainer/information_gain.py) or None."""
     skipped: Counter = Counter()
     episodes: list[EpisodeData] = []
     for group in groups:
@@ -96,6 +101,7 @@ def build_batch(groups: list[Group], keep_group: Callable[[Group], str | None] =
     rows: dict[str, list] = {k: [] for k in ("episode", "traj", "position", "reward", "call", "state")}
     states: dict[bytes, int] = {}
     token_rows: dict[tuple[int, int], int] = {}
+    contexts: list[np.ndarray] = []
     traj_counter = 0
     for e, ep in enumerate(episodes):
         for traj in sorted(ep.trajectories, key=lambda t: not t.is_main):  # the main trajectory claims shared steps
@@ -107,6 +113,7 @@ def build_batch(groups: list[Group], keep_group: Callable[[Group], str | None] =
                 rows["reward"].append(step.reward)
                 rows["call"].append(step.call_index)
                 rows["state"].append(states.setdefault(observation(traj, position), len(states)))
+                contexts.append(traj.tokens[:step.action_start])
             traj_counter += 1
     return Batch(
         episodes=episodes,
@@ -119,6 +126,8 @@ def build_batch(groups: list[Group], keep_group: Callable[[Group], str | None] =
         step_call=torch.tensor(rows["call"], dtype=torch.int64),
         step_state=torch.tensor(rows["state"], dtype=torch.int64),
         token_rows=token_rows,
+        contexts=contexts,
+        references=[reference_ids(ep) for ep in episodes],
         group_ids=[g.group_id for g in groups],
         sessions={g.group_id: [ep.info.session_id for ep in g.episodes] for g in groups},
         skipped=skipped,

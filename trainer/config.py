@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,7 +70,17 @@ class TrainerConfig(BaseModel):
     advantage: str = Field("grpo", description="advantage estimator, a key of ADVANTAGES")
     advantage_args: dict[str, Any] = Field(default_factory=dict, description="keyword hyper-parameters for it")
     ratio: str = Field("step", description="importance ratio level, a key of RATIOS: token | step | sequence")
-    policy_loss: str = Field("ppo", description="a key of POLICY_LOSSES: ppo (clipped surrogate) | cispo | gmpo")
+    policy_loss: str = Field("ppo", description="a key of POLICY_LOSSES: ppo (clipped surrogate) | cispo | gmpo | "
+                             "dppo | drpo | cppo (the last three bound each token's probability shift; ratio token)")
+    policy_loss_args: dict[str, Any] = Field(default_factory=dict, description="the policy loss's own keyword "
+                                             "hyper-parameters, e.g. {delta = 0.1} for dppo/drpo/cppo")
+    clip_rule: str = Field("fixed", description="a key of CLIP_RULES, how the ratio's clip range is set per token: "
+                           "fixed (clip_low/clip_high) | gapo (ε_high from the group's correct count) | ripo "
+                           "(sqrt(δ/π_old)) | stale (staleness-shrunk endpoint; recompute only); ppo and cispo only")
+    clip_rule_args: dict[str, Any] = Field(default_factory=dict, description="keyword hyper-parameters of the clip "
+                                           "rule, e.g. {clip_max = 0.4} (gapo), {delta = 0.02} (ripo)")
+    reference_template: str = Field("{reference}", description="igpo: how a session's gold answer "
+                                    "(metadata.reference) is written after each state for its probability")
     sapo_coef: float = Field(0.0, ge=0, description="SAPO: weight γ of the conditional KL 1[r < τ, A > 0]·log r "
                              "(0: off)")
     sapo_tau: float = Field(1.0, gt=0, le=1, description="SAPO: ratio threshold τ below which positive tokens are "
@@ -163,14 +174,14 @@ class TrainerConfig(BaseModel):
                 raise ValueError(f"{unknown} are not linear layers of the model; expected some of {sorted(known)}")
         return v
 
-    @field_validator("advantage", "ratio", "policy_loss", "loss_aggregation", "kl_estimator")
+    @field_validator("advantage", "ratio", "policy_loss", "loss_aggregation", "kl_estimator", "clip_rule")
     @classmethod
     def _registered(cls, v: str, info: ValidationInfo) -> str:
         """Each algorithm name must be a key of its registry in `trainer.algorithms`."""
         from trainer import algorithms
 
         registry = {"advantage": algorithms.ADVANTAGES, "ratio": algorithms.RATIOS,
-                    "policy_loss": algorithms.POLICY_LOSSES,
+                    "policy_loss": algorithms.POLICY_LOSSES, "clip_rule": algorithms.CLIP_RULES,
                     "loss_aggregation": algorithms.AGGREGATIONS, "kl_estimator": algorithms.KL_ESTIMATORS}
         return _known(v, registry[info.field_name])
 
@@ -181,16 +192,17 @@ class TrainerConfig(BaseModel):
         if self.groups_per_update % self.minibatches:
             raise ValueError(f"groups_per_update ({self.groups_per_update}) must be divisible by "
                              f"minibatches ({self.minibatches})")
-        params = inspect.signature(ADVANTAGES[self.advantage]).parameters
-        unknown = sorted(set(self.advantage_args) - {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY})
-        if unknown:
-            raise ValueError(f"advantage_args: {unknown} not accepted by advantage {self.advantage!r}")
+        _accepted("advantage_args", self.advantage_args, ADVANTAGES[self.advantage], f"advantage {self.advantage!r}")
         if (self.loss_aggregation == "seq-mean-token-sum-norm") != (self.loss_token_norm is not None):
             raise ValueError("loss_token_norm is the constant C of loss_aggregation 'seq-mean-token-sum-norm': "
                              "set both or neither")
         self._objective_options()
-        if self.advantage == "gae" and not self.critic:
-            raise ValueError("advantage 'gae' needs a critic: set critic = true")
+        if self.advantage in ("gae", "capo") and not self.critic:
+            raise ValueError(f"advantage {self.advantage!r} needs a critic: set critic = true")
+        if "reference_template" in self.model_fields_set and self.advantage != "igpo":
+            raise ValueError("reference_template is for advantage 'igpo' (the gold answer's probability)")
+        if "{reference}" not in self.reference_template:
+            raise ValueError("reference_template must contain {reference}")
         if self.push_every > self.max_staleness + 1:
             raise ValueError(f"push_every ({self.push_every}) must be <= max_staleness + 1 ({self.max_staleness + 1}): "
                              "otherwise every call the engine serves is already too stale to train on")
@@ -207,6 +219,31 @@ class TrainerConfig(BaseModel):
 
     def _objective_options(self) -> None:
         """Options of the objective that only mean something together with another one."""
+        from trainer.algorithms import CLIP_RULES, COMMON_LOSS_ARGS, POLICY_LOSSES
+
+        _accepted("policy_loss_args", self.policy_loss_args, POLICY_LOSSES[self.policy_loss],
+                  f"policy_loss {self.policy_loss!r}", exclude=COMMON_LOSS_ARGS)
+        _accepted("clip_rule_args", self.clip_rule_args, CLIP_RULES[self.clip_rule], f"clip_rule {self.clip_rule!r}")
+        if self.policy_loss in ("dppo", "drpo", "cppo") and self.ratio != "token":
+            raise ValueError(f"policy_loss {self.policy_loss!r} bounds each token's probability shift: "
+                             f"set ratio = \"token\" (not {self.ratio!r})")
+        if self.clip_rule != "fixed" and self.policy_loss not in ("ppo", "cispo"):
+            raise ValueError(f"clip_rule {self.clip_rule!r} sets the ratio clip of ppo or cispo, "
+                             f"not of policy_loss {self.policy_loss!r}")
+        if self.clip_rule == "stale" and self.old_logprobs != "recompute":
+            raise ValueError("clip_rule 'stale' compares the trainer's logprobs with the engine's: "
+                             "set old_logprobs = \"recompute\"")
+        for field, args in (("policy_loss_args", self.policy_loss_args), ("clip_rule_args", self.clip_rule_args)):
+            for name, value in args.items():
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    raise ValueError(f"{field}.{name} must be a number, got {value!r}")
+                if name in ("delta", "prefix_delta", "clip_max") and value <= 0:
+                    raise ValueError(f"{field}.{name} must be > 0, got {value}")
+                if name == "min_weight" and not 0 < value <= 1:
+                    raise ValueError(f"{field}.min_weight must be in (0, 1], got {value}")
+        if self.clip_rule_args.get("clip_max", math.inf) < self.clip_low:
+            raise ValueError(f"clip_rule_args.clip_max ({self.clip_rule_args['clip_max']}) must be >= clip_low "
+                             f"({self.clip_low})")
         if self.dual_clip is not None and self.policy_loss != "ppo":
             raise ValueError(f"dual_clip applies to policy_loss 'ppo' only, not {self.policy_loss!r}")
         if "sapo_tau" in self.model_fields_set and self.sapo_coef == 0:
@@ -237,6 +274,15 @@ def _linear_names(model_dir: Path) -> set[str]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     return linear_names(model)
+
+
+def _accepted(field: str, args: dict[str, Any], fn: Any, what: str, exclude: frozenset[str] = frozenset()) -> None:
+    """Refuse keyword hyper-parameters that `fn` does not take (naming the field)."""
+    params = inspect.signature(fn).parameters
+    known = {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY} - exclude
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"{field}: {unknown} not accepted by {what}; it takes {sorted(known)}")
 
 
 def _known(name: str, registry: Any) -> str:

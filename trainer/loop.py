@@ -24,6 +24,7 @@ from datapool.base import Pool
 from datapool.records import Group
 from trainer.algorithms import has_reward_variance, overlong_penalty
 from trainer.batch import action_tokens, build_batch
+from trainer.information_gain import reference_ids
 from trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.critic import ValueHead
@@ -51,6 +52,7 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
     carried: Counter = Counter()  # skip counts of batches that had nothing to train
     pending: list[Group] = []  # claimed groups waiting for a full batch (online, full_batches)
     keep = group_filter(cfg)
+    references = reference_ids(cfg.model_dir, cfg.reference_template) if cfg.advantage == "igpo" else lambda e: None
     with MetricsLog(cfg.output_dir, cfg.tensorboard) as log, progress_bar(cfg.max_updates, cfg.progress) as bar:
         bar.update(0, completed=state.update)
         while cfg.max_updates is None or state.update < cfg.max_updates:
@@ -69,7 +71,8 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
                     break
                 time.sleep(cfg.poll_interval)
                 continue
-            batch = build_batch(pending, keep_group=keep, shaping=shaping(cfg), keep_episode=episode_filter(cfg))
+            batch = build_batch(pending, keep_group=keep, shaping=shaping(cfg), keep_episode=episode_filter(cfg),
+                                reference_ids=references)
             pending = []
             record_consumed(state, batch.sessions)  # skipped groups are consumed too: they never train
             if not batch.episodes:  # nothing to train: its skip counts go with the next update's metrics
@@ -199,7 +202,8 @@ def objective(cfg: TrainerConfig, update_index: int, offline: bool) -> Objective
     """The update's plain values, from the config (the only place the two meet)."""
     return Objective(
         mode=cfg.mode, advantage=cfg.advantage, advantage_args=dict(cfg.advantage_args), ratio=cfg.ratio,
-        policy_loss=cfg.policy_loss, sapo_coef=cfg.sapo_coef, sapo_tau=cfg.sapo_tau,
+        policy_loss=cfg.policy_loss, policy_loss_args=dict(cfg.policy_loss_args), clip_rule=cfg.clip_rule,
+        clip_rule_args=dict(cfg.clip_rule_args), sapo_coef=cfg.sapo_coef, sapo_tau=cfg.sapo_tau,
         is_correction=cfg.is_correction, is_floor=cfg.is_floor, aggregation=cfg.loss_aggregation,
         token_norm=cfg.loss_token_norm, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
         old_logprobs=cfg.old_logprobs, tis_cap=cfg.tis_cap, tis_level=cfg.tis_level, kl_coef=cfg.kl_coef,

@@ -26,7 +26,9 @@ from torch import nn
 
 from trainer.algorithms import (
     ADVANTAGES,
+    CLIP_RULES,
     POLICY_LOSSES,
+    ClipInputs,
     aggregate,
     clipped_value_loss,
     count_units,
@@ -39,6 +41,7 @@ from trainer.algorithms import (
     value_targets,
 )
 from trainer.batch import Batch, TokenView, token_view
+from trainer.information_gain import REFERENCE_KEY, gold_probabilities
 from trainer.tree_forward import forest_forward
 
 __all__ = ["Objective", "Policy", "update"]
@@ -75,6 +78,9 @@ class Objective:
     advantage_args: dict[str, Any] = field(default_factory=dict)
     ratio: str = "step"
     policy_loss: str = "ppo"  # a key of POLICY_LOSSES
+    policy_loss_args: dict[str, Any] = field(default_factory=dict)  # the loss's own hyper-parameters (δ, ...)
+    clip_rule: str = "fixed"  # a key of CLIP_RULES: how ε_low/ε_high are set per token
+    clip_rule_args: dict[str, Any] = field(default_factory=dict)
     sapo_coef: float = 0.0  # γ of SAPO's conditional KL term (0: off)
     sapo_tau: float = 1.0  # τ: the term acts on positive-advantage tokens with r < τ
     aggregation: str = "episode-mean"
@@ -100,6 +106,17 @@ class Objective:
     max_staleness: int | None = 4  # None: offline replay, no staleness mask
 
 
+@dataclass(frozen=True)
+class _Targets:
+    """Per-step and per-episode values the losses read, computed once per update."""
+
+    advantages: torch.Tensor | None  # [S]
+    returns: torch.Tensor | None  # [S] critic targets
+    old_values: torch.Tensor | None  # [S] critic values before the update
+    outcome: torch.Tensor  # [E]
+    episode_group: torch.Tensor  # [E]
+
+
 @dataclass
 class _Aux:
     """No-grad reads for one micro-batch, before any step of this update."""
@@ -113,13 +130,27 @@ def update(policy: Policy, batch: Batch, obj: Objective, version: int) -> dict[s
     start = time.perf_counter()
     plan = [[token_view(batch, micro) for micro in minibatch] for minibatch in _plan(batch, obj)]
     aux = [[_precompute(policy, view, obj) for view in minibatch] for minibatch in plan]
-    advantages, returns, old_values = _advantages(batch, plan, aux, obj)
+    gold = _gold_probabilities(policy, batch) if obj.advantage == "igpo" else None
+    targets = _Targets(*_advantages(batch, plan, aux, obj, gold), batch.outcome, batch.episode_group)
     stats: dict[str, list[float]] = defaultdict(list)
+    if gold is not None:
+        stats["gold_prob"].append(float(gold.mean()))
     for _ in range(obj.epochs):
         for views, auxes in zip(plan, aux):
-            _minibatch_step(policy, views, auxes, advantages, returns, old_values, obj, version, stats)
+            _minibatch_step(policy, views, auxes, targets, obj, version, stats)
     elapsed = time.perf_counter() - start
-    return _summary(batch, plan, advantages, stats, obj, version, elapsed)
+    return _summary(batch, plan, targets.advantages, stats, obj, version, elapsed)
+
+
+def _gold_probabilities(policy: Policy, batch: Batch) -> torch.Tensor:
+    """IGPO: π_θ(a* | s_t) [S] for every step row, under the policy at the start of the update."""
+    missing = [ep.info.session_id for ep, ref in zip(batch.episodes, batch.references) if ref is None]
+    if missing:
+        raise ValueError(f"advantage 'igpo' needs each session's gold answer in metadata[{REFERENCE_KEY!r}]; "
+                         f"sessions without one: {missing[:3]}")
+    golds = [batch.references[e] for e in batch.step_episode.tolist()]
+    with policy.forward_context():
+        return gold_probabilities(policy.model, batch.contexts, golds)  # type: ignore[arg-type]
 
 
 def _plan(batch: Batch, obj: Objective) -> list[list[list[int]]]:
@@ -159,7 +190,7 @@ def _first_tokens(step_ids: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(np.sort(first), device=step_ids.device)
 
 
-def _advantages(batch: Batch, plan, aux, obj: Objective):
+def _advantages(batch: Batch, plan, aux, obj: Objective, gold: torch.Tensor | None = None):
     """Per-step advantages [S]; for the critic also returns [S] and the values before the update [S]."""
     if obj.mode == "sft":
         return None, None, None
@@ -171,11 +202,13 @@ def _advantages(batch: Batch, plan, aux, obj: Objective):
                 first = _first_tokens(view.step_ids)
                 owned[view.step_ids[first]] = a.values[first.to(a.values.device)].float().cpu()
         values = owned[batch.owner_rows()]
-    inputs = batch.advantage_inputs(values)
+    inputs = batch.advantage_inputs(values, gold)
     advantages = ADVANTAGES[obj.advantage](inputs, **obj.advantage_args)
     if values is None:
         return advantages, None, None
     gae = {k: v for k, v in obj.advantage_args.items() if k in ("gamma", "lam")}
+    if obj.advantage == "capo":  # CAPO's critic regresses on the one-step TD target r + γ V(s')
+        gae["lam"] = 0.0
     return advantages, value_targets(inputs, **gae), values
 
 
@@ -185,15 +218,15 @@ def _token_mask(view: TokenView, obj: Objective, version: int) -> torch.Tensor:
     return fresh_mask(view.forest.weight_version, version, obj.max_staleness)
 
 
-def _minibatch_step(policy: Policy, views: list[TokenView], auxes: list[_Aux], advantages, returns, old_values,
-                    obj: Objective, version: int, stats: dict[str, list[float]]) -> None:
+def _minibatch_step(policy: Policy, views: list[TokenView], auxes: list[_Aux], targets: _Targets, obj: Objective,
+                    version: int, stats: dict[str, list[float]]) -> None:
     masks = [_token_mask(v, obj, version) for v in views]
     ids = {k: torch.cat([getattr(v, k) for v in views]) for k in ("step_ids", "traj_ids", "episode_ids")}
     units = count_units(torch.cat(masks), obj.aggregation, **ids)
     value_units = sum(len(_first_tokens(v.step_ids)) for v in views)
     policy.optimizer.zero_grad(set_to_none=True)
     for view, aux, mask in zip(views, auxes, masks):
-        loss = _micro_loss(policy, view, aux, mask, advantages, returns, old_values, obj, units, value_units, stats)
+        loss = _micro_loss(policy, view, aux, mask, targets, obj, units, value_units, stats)
         if loss.requires_grad:
             loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), obj.max_grad_norm)
@@ -203,8 +236,8 @@ def _minibatch_step(policy: Policy, views: list[TokenView], auxes: list[_Aux], a
     stats["lr"].append(policy.optimizer.param_groups[0]["lr"])
 
 
-def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, advantages, returns, old_values,
-                obj: Objective, units: int, value_units: int, stats: dict[str, list[float]]) -> torch.Tensor:
+def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, targets: _Targets, obj: Objective,
+                units: int, value_units: int, stats: dict[str, list[float]]) -> torch.Tensor:
     with policy.forward_context():
         out = forest_forward(policy.model, view.forest, policy.value_head, with_entropy=True,
                              entropy_grad=obj.mode == "rl" and obj.entropy_coef > 0)
@@ -217,12 +250,20 @@ def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, 
         per_token = -logp
     else:
         old = aux.prox if aux.prox is not None else behaviour
-        adv = advantages.to(dev)[step_ids]
+        adv = targets.advantages.to(dev)[step_ids]
+        clip = CLIP_RULES[obj.clip_rule](ClipInputs(
+            obj.clip_low, obj.clip_high, old, adv, episode_ids, targets.outcome, targets.episode_group,
+            segment_ids={"step": step_ids, "sequence": traj_ids}.get(obj.ratio), mask=mask, behaviour_logp=behaviour),
+            **obj.clip_rule_args)
         surrogate = POLICY_LOSSES[obj.policy_loss](logp, old, adv, level=obj.ratio, step_ids=step_ids,
-                                                   traj_ids=traj_ids, mask=mask, clip_low=obj.clip_low,
-                                                   clip_high=obj.clip_high, dual_clip=obj.dual_clip)
+                                                   traj_ids=traj_ids, mask=mask, clip_low=clip.low,
+                                                   clip_high=clip.high, dual_clip=obj.dual_clip,
+                                                   **obj.policy_loss_args)
         ratio = surrogate.ratio
         per_token = surrogate.loss
+        for side, bound in (("clip_low_eps", clip.low), ("clip_high_eps", clip.high)):
+            if isinstance(bound, torch.Tensor):
+                _record(stats, side, bound, mask)
         if obj.sapo_coef:
             sapo = sapo_kl_term(logp, old, adv, tau=obj.sapo_tau)
             per_token = per_token - obj.sapo_coef * sapo
@@ -248,10 +289,11 @@ def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, 
     stats["policy_loss"].append(float(loss.detach()))
     if obj.critic_only:
         loss = loss.detach() * 0
-    if out.values is not None and returns is not None:
+    if out.values is not None and targets.returns is not None:
         first = _first_tokens(step_ids)
         rows = step_ids[first]
-        value_loss = clipped_value_loss(out.values[first], old_values.to(dev)[rows], returns.to(dev)[rows],
+        value_loss = clipped_value_loss(out.values[first], targets.old_values.to(dev)[rows],
+                                        targets.returns.to(dev)[rows],
                                         clip=obj.value_clip).sum() / max(value_units, 1)
         stats["value_loss"].append(float(value_loss.detach()))
         loss = loss + obj.value_coef * value_loss
@@ -305,7 +347,7 @@ def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int
     for key in [k[:-4] for k in stats if k.endswith("_sum")]:
         out[f"{key}_mean"] = sum(stats[key + "_sum"]) / max(sum(stats[key + "_n"]), 1)
         out[f"{key}_min"], out[f"{key}_max"] = min(stats[key + "_min"]), max(stats[key + "_max"])
-    for key in ("policy_loss", "value_loss", "grad_norm", "lr"):
+    for key in ("policy_loss", "value_loss", "grad_norm", "lr", "gold_prob"):
         if stats.get(key):
             out[key] = float(np.mean(stats[key]))
     return out

@@ -150,7 +150,8 @@ def test_forks_share_the_episode_outcome() -> None:
 
 def test_no_nan_anywhere_on_degenerate_batches() -> None:
     x = one_step_each(torch.tensor([3.0]), torch.tensor([0]))
-    x = AdvantageInputs(**{**x.__dict__, "values": torch.tensor([0.0]), "step_state": torch.tensor([0])})
+    x = AdvantageInputs(**{**x.__dict__, "values": torch.tensor([0.0]), "step_state": torch.tensor([0]),
+                          "gold_prob": torch.tensor([0.5])})
     for name, fn in ADVANTAGES.items():
         adv = fn(x)
         assert not torch.isnan(adv).any(), name

@@ -53,3 +53,16 @@ def segment_max(x: Tensor, seg: Tensor, num: int) -> Tensor:
 def segment_min(x: Tensor, seg: Tensor, num: int) -> Tensor:
     """Min of x [M] per segment, [num]."""
     return -segment_max(-x, seg, num)
+
+
+def segment_cumsum(x: Tensor, seg: Tensor) -> Tensor:
+    """Inclusive running sum of x [M] within each segment, in the order the entries appear: out[i] =
+    Σ_{j≤i, seg[j]=seg[i]} x[j]; [M]. Differentiable in x (a stable sort keeps each segment's order)."""
+    if x.numel() == 0:
+        return x
+    order = torch.argsort(seg, stable=True)
+    ordered = torch.cumsum(x[order], 0)
+    dense, num = compact(seg[order])
+    before = torch.cumsum(segment_sum(x[order], dense, num), 0) - segment_sum(x[order], dense, num)
+    out = torch.empty_like(ordered)
+    return out.index_copy(0, order, ordered - before[dense])

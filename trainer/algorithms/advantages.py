@@ -29,6 +29,8 @@ class AdvantageInputs:
     step_reward: Tensor | None = None  # float [S]: dense per-step reward (None = no dense rewards)
     values: Tensor | None = None  # float [S]: critic V(s_t) at each step's state boundary (GAE only)
     step_state: Tensor | None = None  # long [S]: anchor-state id of each step (equal ids = same observation; GiGPO)
+    # float [S]: the policy's probability of the episode's gold answer given the step's state s_t (IGPO)
+    gold_prob: Tensor | None = None
 
 
 def group_index(keys: Sequence[str]) -> Tensor:
@@ -243,6 +245,51 @@ def gigpo(x: AdvantageInputs, *, step_weight: float = 1.0, gamma: float = 0.95, 
     return grpo(x, scale_by_std=scale_by_std, eps=eps) + step_weight * step_adv
 
 
+@torch.no_grad()
+def capo(x: AdvantageInputs, *, gamma: float = 1.0) -> Tensor:
+    """CAPO's action-level advantage (action-aligned policy optimisation, in the issue's seed summary 002):
+    the critic is read only at action boundaries and each action gets the one-step TD error
+
+    A_t = r_t + γ V(s_{t+1}) − V(s_t),   V(s_T) = 0,  r_t = dense step reward (+ the outcome on the last step),
+    shared by every token of the action a_t = (y_{t,1}, …, y_{t,L}). It is step-level GAE with λ = 0; its
+    other half, the length-calibrated action ratio, is the `step` ratio (geometric mean over the action).
+    """
+    return step_gae(x, gamma=gamma, lam=0.0)
+
+
+@torch.no_grad()
+def information_gain(gold_prob: Tensor, x: AdvantageInputs) -> Tensor:
+    """IGPO's turn rewards [S] (Wang et al. 2025, arXiv:2510.14967): for every step but the last,
+
+    r_t = π_θ(a* | s_{t+1}) − π_θ(a* | s_t)
+    the rise in the policy's probability of the gold answer a* over turn t (s_{t+1} = the next call's prompt:
+    the turn's action and what the environment answered); the last step gets 0 here (its reward is the outcome).
+    gold_prob [S]: π_θ(a* | s_t) = exp(mean_j log π_θ(a*_j | s_t, a*_<j)), the length-normalised probability.
+    """
+    row, _, last = _grid(x)
+    gain = _shift_next(gold_prob, row, x.step_position) - gold_prob
+    return torch.where(last, torch.zeros_like(gain), gain)
+
+
+@torch.no_grad()
+def igpo(x: AdvantageInputs, *, gamma: float = 1.0, eps: float = 1e-6) -> Tensor:
+    """IGPO, information-gain-based policy optimisation (Wang et al. 2025, arXiv:2510.14967; seed summary 002):
+    dense turn rewards from the policy's own belief in the gold answer, the outcome at the last step.
+
+    r_t = IG_t (+ dense step reward) for t < T−1,  r_{T−1} = R_i (+ dense step reward);  IG_t: `information_gain`
+    r̃ = (r − mean_g r) / (std_g r + eps)  over all step rows of the group (task × harness) together;
+    A_t = Σ_{k≥t} γ^{k−t} r̃_k   (discounted within the trajectory).
+    A group whose rewards are all equal gets 0. Needs x.gold_prob [S] (the trainer computes it with a
+    teacher-forced forward of the gold answer after each step's state; see trainer/information_gain.py).
+    """
+    if x.gold_prob is None:
+        raise ValueError("igpo needs gold_prob [S], the policy's probability of the gold answer at each state")
+    row, _, last = _grid(x)
+    rewards = _rewards_with_outcome(x, last) + information_gain(x.gold_prob.to(x.outcome.dtype), x)
+    normalised = group_normalize(rewards, x.episode_group[x.step_episode], eps=eps)
+    return _discounted_suffix_sum(normalised, row, x.step_position, gamma)
+
+
 ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "grpo": grpo,
     "dr_grpo": dr_grpo,
@@ -252,4 +299,6 @@ ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "dense": dense,
     "turn_discount": turn_discount,
     "gigpo": gigpo,
+    "capo": capo,
+    "igpo": igpo,
 }

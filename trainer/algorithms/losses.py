@@ -23,8 +23,18 @@ class Surrogate(NamedTuple):
     ratio: Tensor | None = None  # float [N]: the ratio the loss used, for logging (set by POLICY_LOSSES)
 
 
+def clamp_ratio(ratio: Tensor, clip_low: float | Tensor, clip_high: float | Tensor) -> Tensor:
+    """clip(r, 1 − ε_low, 1 + ε_high) with ε floats or per-token tensors [N] (adaptive trust regions)."""
+    if isinstance(clip_low, Tensor) or isinstance(clip_high, Tensor):
+        low = torch.as_tensor(clip_low, dtype=ratio.dtype, device=ratio.device)
+        high = torch.as_tensor(clip_high, dtype=ratio.dtype, device=ratio.device)
+        return torch.minimum(torch.maximum(ratio, 1.0 - low), 1.0 + high)
+    return ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+
+
 def clipped_surrogate(
-    ratio: Tensor, advantages: Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = None
+    ratio: Tensor, advantages: Tensor, *, clip_low: float | Tensor = 0.2, clip_high: float | Tensor = 0.28,
+    dual_clip: float | None = None,
 ) -> Surrogate:
     """PPO clipped surrogate (Schulman et al. 2017) with decoupled clip range and optional dual-clip.
 
@@ -32,13 +42,14 @@ def clipped_surrogate(
     (Yu et al. 2025): low-probability tokens may grow further, which keeps entropy from collapsing.
     Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"): for A_t < 0,
     L_t = min(L_t, −c A_t) with c > 1, so a token whose ratio exploded cannot drive an unbounded update.
-    ratio [N] (grad), advantages [N] (treated as constants) -> Surrogate of [N] tensors.
+    ratio [N] (grad), advantages [N] (treated as constants) -> Surrogate of [N] tensors; ε may be
+    per-token tensors [N] (see trust_regions.CLIP_RULES).
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     adv = advantages.detach()
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = -adv * clamp_ratio(ratio, clip_low, clip_high)
     loss = torch.maximum(unclipped, clipped)
     is_clipped = clipped > unclipped
     is_dual = torch.zeros_like(is_clipped)

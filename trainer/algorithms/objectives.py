@@ -1,9 +1,11 @@
-"""Policy losses by name (PPO's clipped surrogate, CISPO, GMPO) and SAPO's conditional KL term.
+"""Policy losses by name (PPO's clipped surrogate, CISPO, GMPO; DPPO, DRPO, CPPO from trust_regions.py)
+and SAPO's conditional KL term.
 
 Every registered loss: `fn(logp [N], old_logp [N], advantages [N], *, level, step_ids, traj_ids, mask,
 clip_low, clip_high, dual_clip) -> Surrogate` with a per-token loss [N] to aggregate; `level` is the
 ratio level of RATIOS (token | step | sequence), so each loss works per token, per step or per trajectory.
-Advantages are constants; gradients flow through `logp` only.
+Advantages are constants; gradients flow through `logp` only. ε_low/ε_high may be per-token tensors [N]
+(CLIP_RULES); a loss's own hyper-parameters (δ of dppo, ...) come as further keywords (policy_loss_args).
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ import torch
 from torch import Tensor
 
 from trainer.algorithms._segments import segment_mean
-from trainer.algorithms.losses import Surrogate, clipped_surrogate
+from trainer.algorithms.losses import Surrogate, clamp_ratio, clipped_surrogate
 from trainer.algorithms.ratios import LOG_RATIO_LIMIT, RATIOS, SEGMENT_LOG_RATIO_CAP
+from trainer.algorithms.trust_regions import Bound, cppo_loss, dppo_loss, drpo_loss
 
 _SEGMENT = {"step": "step_ids", "sequence": "traj_ids"}
 
 
 def ppo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, *, level: str = "step", step_ids: Tensor | None = None,
-    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.28,
+    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: Bound = 0.2, clip_high: Bound = 0.28,
     dual_clip: float | None = None,
 ) -> Surrogate:
     """PPO/DAPO clipped surrogate on the ratio of `level` (see `clipped_surrogate` for the formula)."""
@@ -34,7 +37,7 @@ def ppo_loss(
 
 def cispo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, *, level: str = "token", step_ids: Tensor | None = None,
-    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.28,
+    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: Bound = 0.2, clip_high: Bound = 0.28,
     dual_clip: float | None = None,
 ) -> Surrogate:
     """CISPO (MiniMax-M1, arXiv:2506.13585; verl's "cispo"): clip the importance weight, not the update.
@@ -46,7 +49,7 @@ def cispo_loss(
     if dual_clip is not None:
         raise ValueError("dual_clip applies to the ppo loss only")
     ratio = RATIOS[level](logp, old_logp, step_ids=step_ids, traj_ids=traj_ids, mask=mask)
-    weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
+    weight = clamp_ratio(ratio.detach(), clip_low, clip_high)
     loss = -weight * advantages.detach() * logp
     clipped = weight != ratio.detach()
     return Surrogate(loss, clipped, torch.zeros_like(clipped), ratio)
@@ -54,7 +57,7 @@ def cispo_loss(
 
 def gmpo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, *, level: str = "sequence", step_ids: Tensor | None = None,
-    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: float = 0.4, clip_high: float = 0.4,
+    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: Bound = 0.4, clip_high: Bound = 0.4,
     dual_clip: float | None = None,
 ) -> Surrogate:
     """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv:2507.20673; verl's "geo_mean").
@@ -72,7 +75,7 @@ def gmpo_loss(
     adv = advantages.detach()
     log_r = (logp - old_logp.detach()).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     sgn = torch.sign(adv)
-    bounded = log_r.clamp(-clip_low, clip_high)
+    bounded = _clamp_log(log_r, clip_low, clip_high)
     ell = sgn * torch.minimum(sgn * log_r, sgn * bounded)
     if level == "token" or logp.numel() == 0:
         mean = ell
@@ -86,7 +89,19 @@ def gmpo_loss(
     return Surrogate(-adv * ratio, clipped, torch.zeros_like(clipped), ratio)
 
 
-POLICY_LOSSES: dict[str, Callable[..., Surrogate]] = {"ppo": ppo_loss, "cispo": cispo_loss, "gmpo": gmpo_loss}
+def _clamp_log(log_r: Tensor, clip_low: Bound, clip_high: Bound) -> Tensor:
+    if isinstance(clip_low, Tensor) or isinstance(clip_high, Tensor):
+        low = torch.as_tensor(clip_low, dtype=log_r.dtype, device=log_r.device)
+        high = torch.as_tensor(clip_high, dtype=log_r.dtype, device=log_r.device)
+        return torch.minimum(torch.maximum(log_r, -low), high)
+    return log_r.clamp(-clip_low, clip_high)
+
+
+POLICY_LOSSES: dict[str, Callable[..., Surrogate]] = {
+    "ppo": ppo_loss, "cispo": cispo_loss, "gmpo": gmpo_loss, "dppo": dppo_loss, "drpo": drpo_loss, "cppo": cppo_loss,
+}
+# keyword arguments every policy loss receives from the update; the others are the loss's own policy_loss_args
+COMMON_LOSS_ARGS = frozenset({"level", "step_ids", "traj_ids", "mask", "clip_low", "clip_high", "dual_clip"})
 
 
 def sapo_kl_term(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, tau: float = 1.0) -> Tensor:
