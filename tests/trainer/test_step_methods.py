@@ -230,3 +230,11 @@ def test_cppo_position_weights_and_prefix_budget() -> None:
     assert dppo.clipped.tolist() == [False, True, True, True, False]
     s.loss.sum().backward()
     assert logp.grad.tolist() == pytest.approx([-1.16, -1.24, 0.0, 0.0, -0.9])
+
+
+def test_kl_clip_bounds_the_ratio_where_r_minus_1_minus_log_r_reaches_delta() -> None:
+    # δ = 0.02: r − 1 − log r = 0.02 at r = 0.813105 and r = 1.213550 (bisection) -> ε_low 0.186895, ε_high 0.213550
+    bounds = CLIP_RULES["kl"](clip_inputs(torch.zeros(1), torch.ones(1)), delta=0.02)
+    assert (bounds.low, bounds.high) == pytest.approx((1 - 0.8131051, 0.2135497), abs=1e-6)
+    for r in (1 - bounds.low, 1 + bounds.high):
+        assert r - 1 - math.log(r) == pytest.approx(0.02, abs=1e-12)

@@ -1,5 +1,5 @@
 """Trust regions beyond PPO's fixed ratio clip: per-token clip bounds (GAPO, RIPO, the stale-adaptive
-region) and policy losses that bound the sampled token's probability shift instead of its ratio (DPPO's
+region, a bound in the r − 1 − log r coordinate) and policy losses that bound the sampled token's probability shift instead of its ratio (DPPO's
 binary-TV mask, DRPO's quadratic regulariser, CPPO's position-weighted prefix budget).
 
 Clip rules: `CLIP_RULES[name](c: ClipInputs, **hyper) -> ClipBounds` with ε_low, ε_high as floats or
@@ -12,6 +12,7 @@ of the two-outcome distributions {y, not y}). Sources are the summaries in the i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -121,11 +122,33 @@ def stale_clip(c: ClipInputs) -> ClipBounds:
     return ClipBounds(low, high)
 
 
+def _k3_root(delta: float, start: float) -> float:
+    """The root of f(r) = r − 1 − log r = δ on the side of 1 where `start` lies (Newton's method; f is convex, so
+    from a start beyond the root, on the side away from 1, the iterates approach it monotonically)."""
+    r = start
+    for _ in range(60):
+        r -= (r - 1 - math.log(r) - delta) / (1 - 1 / r)
+    return r
+
+
+def kl_clip(c: ClipInputs, *, delta: float = 0.02) -> ClipBounds:
+    """A trust region in the reverse-KL coordinate f(r) = r − 1 − log r (the per-sample k3 estimate of
+    KL(π_old ‖ π_θ)) instead of in r: the ratio may move while f(r) ≤ δ, i.e. r ∈ [r_lo, r_hi] with
+    f(r_lo) = f(r_hi) = δ. The region is naturally asymmetric (δ = 0.02: [0.813105, 1.213550]). This is the
+    coordinate EPIC clips its prefix ratio in (use it with ratio = "prefix"); EPIC's calibration of the bound
+    by the geometric-mean behaviour probability is not given in the seed summary and is not applied here.
+    """
+    high = _k3_root(delta, 1 + 2 * math.sqrt(2 * delta) + 2 * delta) - 1
+    low = 1 - _k3_root(delta, math.exp(-1 - delta))
+    return ClipBounds(low, high)
+
+
 CLIP_RULES: dict[str, Callable[..., ClipBounds]] = {
     "fixed": fixed_clip,
     "gapo": gapo_clip,
     "ripo": ripo_clip,
     "stale": stale_clip,
+    "kl": kl_clip,
 }
 
 
