@@ -60,20 +60,25 @@ def gold_probabilities(model: nn.Module, contexts: Sequence[np.ndarray], golds: 
 
 
 def _mean_logprobs(model: nn.Module, rows: list[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+    """Left-padded so every answer ends at the last position: only the last L_max + 1 positions go through the LM
+    head (`logits_to_keep`), [B, L_max + 1, V] instead of [B, T, V] (a long agent context is thousands of tokens)."""
     if any(len(gold) == 0 or len(context) == 0 for context, gold in rows):
         raise ValueError("a gold answer that tokenizes to nothing, or an empty state, has no probability")
     device = next(model.parameters()).device
     width = max(len(c) + len(g) for c, g in rows)
+    keep = max(len(g) for _, g in rows) + 1
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     attention = torch.zeros(len(rows), width, dtype=torch.long)
     for i, (context, gold) in enumerate(rows):
         seq = torch.as_tensor(np.concatenate([context, gold]).astype(np.int64))
-        ids[i, : len(seq)], attention[i, : len(seq)] = seq, 1
-    logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits.float()
+        ids[i, width - len(seq):], attention[i, width - len(seq):] = seq, 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
+                   logits_to_keep=keep).logits.float()
     out = []
-    for i, (context, gold) in enumerate(rows):
-        # the logits at position p predict token p + 1: the answer's tokens sit at len(c) .. len(c) + L − 1
-        start = len(context) - 1
-        logp = torch.log_softmax(logits[i, start : start + len(gold)], dim=-1)
+    for i, (_, gold) in enumerate(rows):
+        # kept logit k predicts the token after padded position width − keep + k; the answer's L tokens are the
+        # last L positions, so they are predicted by kept logits keep − L − 1 .. keep − 2
+        logp = torch.log_softmax(logits[i, keep - len(gold) - 1 : keep - 1], dim=-1)
         out.append(float(logp.gather(-1, torch.as_tensor(gold, dtype=torch.long, device=device)[:, None]).mean()))
     return out

@@ -110,8 +110,9 @@ class BigramLM(nn.Module):
         super().__init__()
         self.table = nn.Parameter(table)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        return type("Out", (), {"logits": self.table[input_ids]})()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                logits_to_keep: int):
+        return type("Out", (), {"logits": self.table[input_ids][:, -logits_to_keep:]})()
 
 
 def test_gold_probability_is_the_length_normalised_teacher_forced_likelihood() -> None:
@@ -238,3 +239,24 @@ def test_kl_clip_bounds_the_ratio_where_r_minus_1_minus_log_r_reaches_delta() ->
     assert (bounds.low, bounds.high) == pytest.approx((1 - 0.8131051, 0.2135497), abs=1e-6)
     for r in (1 - bounds.low, 1 + bounds.high):
         assert r - 1 - math.log(r) == pytest.approx(0.02, abs=1e-12)
+
+
+def test_gold_probabilities_match_an_unpadded_forward_of_each_row(tiny_model_dir) -> None:
+    # the fast path (left padding, position ids, only the answer's logits) against its slow twin: one full forward
+    # per row, no padding, log-softmax everywhere
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    g = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(10, 3000, (n,), generator=g).numpy() for n in (3, 11, 6)]
+    golds = [torch.randint(10, 3000, (n,), generator=g).numpy() for n in (4, 1, 2)]
+    fast = gold_probabilities(model, contexts, golds, batch_size=3)
+    slow = []
+    with torch.no_grad():
+        for context, gold in zip(contexts, golds):
+            ids = torch.as_tensor(np.concatenate([context, gold]).astype(np.int64))[None]
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            answer = logp[len(context) - 1 : len(context) - 1 + len(gold)]
+            picked = answer.gather(-1, torch.as_tensor(gold)[:, None].long())
+            slow.append(math.exp(float(picked.mean())))
+    assert fast.tolist() == pytest.approx(slow, rel=1e-4)

@@ -1,6 +1,7 @@
 """Trust regions beyond PPO's fixed ratio clip: per-token clip bounds (GAPO, RIPO, the stale-adaptive
-region, a bound in the r − 1 − log r coordinate) and policy losses that bound the sampled token's probability shift instead of its ratio (DPPO's
-binary-TV mask, DRPO's quadratic regulariser, CPPO's position-weighted prefix budget).
+region, a bound in the r − 1 − log r coordinate) and policy losses that bound the sampled token's
+probability shift instead of its ratio (DPPO's binary-TV mask, DRPO's quadratic regulariser, CPPO's
+position-weighted prefix budget).
 
 Clip rules: `CLIP_RULES[name](c: ClipInputs, **hyper) -> ClipBounds` with ε_low, ε_high as floats or
 tensors [N]; the clipping losses (ppo, cispo, gmpo) accept either. Within a step or sequence ratio the
