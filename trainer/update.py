@@ -7,7 +7,8 @@ accumulated over micro-batches (one tree forward each) with every aggregation di
 minibatch's unit count, so 8 micro-batches give the same step as 2 × 4 or 1 × 8. Sessions are never
 split across micro-batches. Before the epochs, one no-grad pass reads what the loss compares against:
 the trainer's own logprobs (decoupled objective), the frozen reference's (KL) and the critic's values;
-with none of them (old_logprobs = "engine", no KL, no critic) there is no such pass. Every forward runs
+with none of them (old_logprobs = "engine", no KL, no critic) there is no such pass. IGPO adds one more no-grad
+read, the policy's probability of each session's gold answer after every step's state (information_gain.py). Every forward runs
 under `Policy.forward_context()`: bf16 autocast when the config asks for it.
 """
 
