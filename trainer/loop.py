@@ -24,10 +24,10 @@ from datapool.base import Pool
 from datapool.records import Group
 from trainer.algorithms import has_reward_variance, overlong_penalty
 from trainer.batch import action_tokens, build_batch
-from trainer.information_gain import reference_ids
 from trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.critic import ValueHead
+from trainer.information_gain import reference_ids
 from trainer.memory import keep_freed_memory
 from trainer.metrics import MetricsLog, progress_bar
 from trainer.precision import resolve_bf16

@@ -132,7 +132,8 @@ def update(policy: Policy, batch: Batch, obj: Objective, version: int) -> dict[s
     plan = [[token_view(batch, micro) for micro in minibatch] for minibatch in _plan(batch, obj)]
     aux = [[_precompute(policy, view, obj) for view in minibatch] for minibatch in plan]
     gold = _gold_probabilities(policy, batch) if obj.advantage == "igpo" else None
-    targets = _Targets(*_advantages(batch, plan, aux, obj, gold), batch.outcome, batch.episode_group)
+    advantages, returns, old_values = _advantages(batch, plan, aux, obj, gold)
+    targets = _Targets(advantages, returns, old_values, batch.outcome, batch.episode_group)
     stats: dict[str, list[float]] = defaultdict(list)
     if gold is not None:
         stats["gold_prob"].append(float(gold.mean()))
@@ -151,7 +152,7 @@ def _gold_probabilities(policy: Policy, batch: Batch) -> torch.Tensor:
                          f"sessions without one: {missing[:3]}")
     golds = [batch.references[e] for e in batch.step_episode.tolist()]
     with policy.forward_context():
-        return gold_probabilities(policy.model, batch.contexts, golds)  # type: ignore[arg-type]
+        return gold_probabilities(policy.model, batch.contexts, golds)
 
 
 def _plan(batch: Batch, obj: Objective) -> list[list[list[int]]]:
