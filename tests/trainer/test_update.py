@@ -194,3 +194,14 @@ def test_anchor_states_come_from_the_observation_tokens(tiny_model_dir: Path, tm
     cfg, policy = policy_for(tiny_model_dir, tmp_path, advantage="gigpo", advantage_args={"gamma": 0.9})
     m = update(policy, batch, objective(cfg, 0, False), version=0)
     assert math.isfinite(m["policy_loss"]) and m["adv_max"] > 0
+
+
+@pytest.mark.parametrize("count_abandoned", [True, False])
+def test_count_abandoned_decides_whether_an_abandoned_episode_trains(tiny_model_dir: Path, count_abandoned: bool) -> None:
+    from trainer.loop import episode_filter
+
+    (group,) = toy_groups(1)  # 4 episodes, each with a terminal reward
+    group.episodes[1].info.status = "abandoned"  # ended by the gateway's idle reaper
+    cfg = TrainerConfig(model_dir=tiny_model_dir, count_abandoned=count_abandoned)
+    batch = build_batch([group], keep_episode=episode_filter(cfg))
+    assert batch.outcome.numel() == (4 if count_abandoned else 3)  # left out of the baseline too
