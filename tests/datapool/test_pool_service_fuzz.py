@@ -84,6 +84,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     print(f"\npool service fuzz: {sum(STATUSES.values())} requests, by status {dict(sorted(STATUSES.items()))}")
 
 
+@pytest.mark.timeout(300 + FUZZ_EXAMPLES)  # the long run outlasts pytest's 300 s per test
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(method=st.sampled_from(sorted(ARGS)), data=st.data())
 def test_fuzz_pool_routes_never_5xx(service: httpx.Client, method: str, data: st.DataObject) -> None:

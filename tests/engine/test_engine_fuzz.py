@@ -67,6 +67,7 @@ def _post(client: httpx.Client, content: bytes) -> httpx.Response:
     return r
 
 
+@pytest.mark.timeout(300 + FUZZ_EXAMPLES)  # the long run outlasts pytest's 300 s per test
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(content=CONTENT)
 def test_fuzz_generate_never_5xx(engine: httpx.Client, content: bytes) -> None:
