@@ -24,7 +24,7 @@ from gateway.admin import admin_routes
 from gateway.config import GatewaySettings
 from gateway.engines import EngineRouter
 from gateway.frontends import chat, completions, messages, responses
-from gateway.frontends.core import Core
+from gateway.frontends.core import UNSYNCED, Core
 from gateway.frontends.errors import ApiError, Flavour, error_response
 from gateway.frontends.session_routes import SessionRoutes
 from gateway.metrics import metrics_routes
@@ -83,7 +83,13 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
 
 def _model_route(core: Core, handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def route(request: web.Request) -> web.StreamResponse:
-        return await handler(core, request)
+        token = UNSYNCED.set([])
+        try:
+            response = await handler(core, request)
+            await core.durable()  # a non-stream answer leaves only once its calls are durable
+            return response
+        finally:
+            UNSYNCED.reset(token)
     return route
 
 

@@ -1,7 +1,7 @@
 """`stepline gateway`: the recording gateway in front of one or more engines.
 
     stepline gateway --engine http://127.0.0.1:30000 [--engine URL ...] [--engine-kind builtin|sglang|vllm]
-                     --model DIR --pool sqlite:///pool.db --port 8000 [--admin-token T]
+                     --model DIR --pool sqlite:///pool.db --port 8000 [--admin-token T] [--spill FILE]
 
 `running_gateway` composes the parts (shared upstream HTTP session, adapters, router, recorder,
 weight gate, the app) and shuts them down in order: stop accepting, finish in-flight calls, flush
@@ -28,6 +28,7 @@ from gateway.engines import ENGINE_KINDS, EngineRouter, make_engine
 from gateway.engines.probe import EngineMismatch, check_engines
 from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
 from gateway.recorder import Recorder
+from gateway.spill import Spill
 from gateway.weights import WeightGate
 
 __all__ = ["Gateway", "gateway_command", "running_gateway"]
@@ -69,7 +70,7 @@ async def running_gateway(
     headers = {"Authorization": f"Bearer {engine_token}"} if engine_token else None
     async with aiohttp.ClientSession(connector=connector, headers=headers) as http:
         router = EngineRouter([make_engine(u, engine_kind, http, engine_timeout, model_dir) for u in engine_urls])
-        recorder = Recorder(pool)
+        recorder = Recorder(pool, spill=Spill(settings.spill_path) if settings.spill_path else None)
         gate = WeightGate(router, max_wait=settings.max_wait_paused, initial_version=initial_version)
         await router.start()
         try:  # the engines' model and context length against model_dir (gateway.engines.probe)
@@ -152,6 +153,14 @@ async def running_gateway(
 @click.option("--inject-tools", is_flag=True,
               help="For templates that cannot show tools: render them into the system message (and tool calls / "
               "results as text) in the tool parser's format. Without it such requests get 400.")
+@click.option(
+    "--spill",
+    "spill_path",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Spill file: calls acknowledged while the pool is unreachable (or at shutdown) are kept here and "
+    "written at the next start; answers wait until each call is in the pool or this file.",
+)
 @click.option("--engine-timeout", default=600.0, show_default=True, help="Seconds an engine call may take.")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
 def gateway_command(
@@ -171,6 +180,7 @@ def gateway_command(
     eot_token: str | None,
     inject_tools: bool,
     engine_token: str | None,
+    spill_path: Path | None,
     engine_timeout: float,
     initial_version: int,
 ) -> None:
@@ -191,6 +201,7 @@ def gateway_command(
         reasoning_parser=reasoning_parser,
         eot_token=eot_token,
         inject_tools=inject_tools,
+        spill_path=str(spill_path) if spill_path else None,
     )
     if admin_token is None:
         log.warning("no --admin-token: /admin/* and POST /sessions are open to anyone who can reach port %d", port)

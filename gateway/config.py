@@ -24,6 +24,10 @@ class GatewaySettings(BaseModel):
     session_idle_timeout: float = Field(
         24 * 3600.0, gt=0, description="open sessions without a call for this long end as `abandoned`"
     )
+    spill_path: str | None = Field(
+        None, description="local file for calls the pool cannot take yet (answers wait until each call is in the "
+        "pool or this file); None: no spill file, answers never wait on the pool",
+    )
     read_timeout: float = Field(
         30.0, gt=0, description="seconds a client may take to send a request's headers and body (408 after)"
     )

@@ -16,6 +16,13 @@ Failure policy:
 - anything else (a bug, a refused token): the recorder stops loudly. The error is logged with its
   traceback, waiting callers get it, `failure` holds it, `has_capacity()` turns False (the app answers
   503) and the queued records stay unwritten (counted at close): an error is never retried as an outage.
+
+With a spill file (gateway.spill), nothing acknowledged is lost: `record_call` returns a future that
+resolves once the call is durable, committed by the pool or fsync'd in the spill file, and the app
+answers the harness only then. An outage spills every pending call (and, while it lasts, each new
+one as it arrives; a failure that stops the recorder spills them too); they stay queued and are retried; the file is truncated once they are all
+in the pool, and read back (replayed first) at the next start. At shutdown a failing pool is not
+waited for: the queue is already spilled.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import zstandard
 from datapool.base import Pool, PoolError, is_unavailable
 from datapool.records import CallRecord, Reward, SessionInfo
 from gateway import metrics
+from gateway.spill import Spill
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +51,9 @@ log = logging.getLogger(__name__)
 class _Item:
     kind: str  # "call" | "session" | "reward" | "end" | "abandon" | "flush"
     payload: Any
-    done: Future[None] | None = None  # set when the pool has committed it (not for calls)
+    done: Future[None] | None = None  # set when the pool has committed it (a call: or when it is spilled)
     compress: bool = False  # a call whose request/response are still raw JSON: zstd them in the worker
+    spilled: bool = False  # a call already in the spill file
 
 
 class Recorder:
@@ -56,8 +65,10 @@ class Recorder:
         flush_interval: float = 0.02,
         max_backoff: float = 5.0,
         close_timeout: float = 60.0,
+        spill: Spill | None = None,
     ) -> None:
         self.pool = pool
+        self.spill = spill
         self.max_queue = max_queue
         self.batch_size = batch_size
         self.flush_interval = flush_interval  # how long a partial batch of calls may wait for company
@@ -68,6 +79,7 @@ class Recorder:
         self._inbox: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # None: wake up, we close
         self._pending: deque[_Item] = deque()  # worker only
         self._pending_controls = 0  # non-call items in _pending (worker only)
+        self._spilled = 0  # spilled calls in _pending (worker only); 0: the spill file may be truncated
         self._closing = False
         self._deadline = 0.0
         self._thread: threading.Thread | None = None
@@ -76,12 +88,20 @@ class Recorder:
         self.dropped = 0  # calls the pool refused as invalid (each logged)
         self.pool_errors = 0  # failed writes (each retried)
         self.failure: BaseException | None = None  # what stopped the worker: not an outage (see above)
+        self.replayed = 0  # calls read back from the spill file at start
 
     # --- lifecycle ---
     async def start(self) -> None:
         if self._thread is not None:  # already running (start may be called by the app and its runner)
             return
         metrics.QUEUE_DEPTH.set_function(self.depth)
+        if self.spill is not None:  # an earlier run's spilled calls go first, before anything new
+            for record in self.spill.load():
+                self._pending.append(_Item("call", record, spilled=True))
+                self._spilled += 1
+                self.replayed += 1
+            if self.replayed:
+                log.warning("replaying %d calls spilled by an earlier run from %s", self.replayed, self.spill.path)
         self._thread = threading.Thread(target=self._run, name="recorder", daemon=True)
         self._thread.start()
 
@@ -96,6 +116,8 @@ class Recorder:
         self._thread = None
         if self.depth():
             log.error("recorder closed with %d records the pool never accepted", self.depth())
+        if self.spill is not None:
+            self.spill.close()
 
     # --- the app's side ---
     def depth(self) -> int:
@@ -105,12 +127,16 @@ class Recorder:
     def has_capacity(self) -> bool:
         return self.failure is None and self.depth() < self.max_queue
 
-    def record_call(self, record: CallRecord, compress: bool = False) -> None:
-        """Queue a call record; never blocks (check `has_capacity()` before dispatching).
+    def record_call(self, record: CallRecord, compress: bool = False) -> Future[None] | None:
+        """Queue a call record; never blocks (check `has_capacity()` before dispatching). With a spill
+        file, returns a future set once the call is durable (in the pool or the spill file): answer the
+        harness after it.
 
         compress=True: `record.request` / `record.response` are raw JSON bytes, and the worker thread
         zstd-compresses them (as `CallRecord` stores them) off the event loop."""
-        self._inbox.put(_Item("call", record, compress=compress))
+        done: Future[None] | None = None if self.spill is None else Future()
+        self._inbox.put(_Item("call", record, done, compress=compress))
+        return done
 
     async def create_session(self, info: SessionInfo) -> None:
         await self._submit("session", info)
@@ -155,12 +181,48 @@ class Recorder:
                 metrics.POOL_ERRORS.inc()
                 backoff = min(self.max_backoff, max(0.05, backoff * 2))
                 log.warning("pool write failed (%r); %d records queued, retry in %.2f s", exc, self.depth(), backoff)
-                if self._closing and time.monotonic() > self._deadline:
+                self._spill_pending()
+                if self._closing and (self.spill is not None or time.monotonic() > self._deadline):
                     self._give_up(exc)
                     return
-                time.sleep(backoff)
+                self._wait(backoff)
             else:
                 backoff = 0.0
+                if self.spill is not None and not self._spilled and self.spill.size():
+                    self.spill.clear()  # every spilled call is in the pool
+
+    def _wait(self, seconds: float) -> None:
+        """Back off; with a spill file, spill each call arriving meanwhile (its harness is waiting)."""
+        if self.spill is None:
+            time.sleep(seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                if not self._take(self._inbox.get(timeout=remaining)):
+                    return  # closing
+            except queue.Empty:
+                return
+            self._spill_pending()
+
+    def _spill_pending(self) -> None:
+        """Append every pending call not yet spilled to the spill file (fsync'd); they become durable."""
+        if self.spill is None:
+            return
+        items = [item for item in self._pending if item.kind == "call" and not item.spilled]
+        if not items:
+            return
+        for item in items:
+            _compress_item(self._zstd, item)
+        try:
+            self.spill.append([item.payload for item in items])
+        except OSError as exc:  # the disk failed too: the harness gets its answer, and we say so
+            log.error("cannot write the spill file %s (%r): %d calls only in memory", self.spill.path, exc, len(items))
+            return
+        for item in items:
+            item.spilled = True
+            _resolve(item.done, None)
+        self._spilled += len(items)
 
     def _take(self, item: _Item | None) -> bool:
         """Move an inbox item to _pending; False for the close sentinel."""
@@ -182,9 +244,11 @@ class Recorder:
             except queue.Empty:
                 break
         deadline = time.monotonic() + self.flush_interval
-        # a partial batch of calls waits a little for company, unless something waits on it
+        # a partial batch of calls waits a little for company, unless something waits on it (with a spill
+        # file every call's harness does; batches still form from what arrives during a write)
         while (
-            self._pending and not self._pending_controls and not self._closing and len(self._pending) < self.batch_size
+            self._pending and not self._pending_controls and not self._closing and self.spill is None
+            and len(self._pending) < self.batch_size
         ):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -208,8 +272,12 @@ class Recorder:
     def _pop(self, n: int) -> None:
         """Remove n written (or refused) items from the head of the pending queue."""
         for _ in range(n):
-            if self._pending.popleft().kind != "call":
+            item = self._pending.popleft()
+            if item.kind != "call":
                 self._pending_controls -= 1
+                continue
+            self._spilled -= item.spilled
+            _resolve(item.done, None)
 
     def _write(self, batch: list[_Item]) -> None:
         """Write the batch, popping what the pool committed or refused; transient errors propagate
@@ -217,11 +285,7 @@ class Recorder:
         head = batch[0]
         if head.kind == "call":
             for item in batch:
-                if item.compress:  # once: a batch retried after an outage is already compressed
-                    record = item.payload
-                    record.request = _compress(self._zstd, record.request)
-                    record.response = _compress(self._zstd, record.response)
-                    item.compress = False
+                _compress_item(self._zstd, item)
             self._write_calls([item.payload for item in batch])
             return
         try:
@@ -274,6 +338,7 @@ class Recorder:
     def _fail(self, exc: Exception) -> None:
         self.failure = exc
         self._drain()
+        self._spill_pending()  # the acknowledged calls wait in the spill file for a fixed gateway
         calls = sum(1 for item in self._pending if item.kind == "call")
         log.error("recorder stopped: the pool raised %r, which is no outage; %d call records NOT written",
                   exc, calls, exc_info=exc)
@@ -289,11 +354,25 @@ class Recorder:
 
     def _give_up(self, exc: Exception) -> None:
         self._drain()
+        self._spill_pending()
         lost = list(self._pending)
-        calls = sum(1 for item in lost if item.kind == "call")
-        log.error("pool unavailable at shutdown (%r): %d call records NOT written", exc, calls)
+        spilled = sum(1 for item in lost if item.spilled)
+        calls = sum(1 for item in lost if item.kind == "call") - spilled
+        if spilled:
+            log.warning("pool unavailable at shutdown (%r): %d calls kept in the spill file %s, written at the "
+                        "next start", exc, spilled, self.spill.path if self.spill else None)
+        if calls:
+            log.error("pool unavailable at shutdown (%r): %d call records NOT written", exc, calls)
         for item in lost:
             _resolve(item.done, exc)
+
+
+def _compress_item(zstd: zstandard.ZstdCompressor, item: _Item) -> None:
+    """zstd a call's raw request/answer once (a batch retried after an outage is already compressed)."""
+    if item.compress:
+        item.payload.request = _compress(zstd, item.payload.request)
+        item.payload.response = _compress(zstd, item.payload.response)
+        item.compress = False
 
 
 def _compress(zstd: zstandard.ZstdCompressor, data: bytes | None) -> bytes | None:

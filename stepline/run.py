@@ -163,7 +163,8 @@ def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[
         gateway_url = f"http://127.0.0.1:{free_port()}"
         children.append(start("gateway", ["gateway", "--engine", engine_url, "--engine-kind", kind, "--model", str(policy),
                                            "--pool", f"sqlite:///{run.pool_db}", "--port", gateway_url.rsplit(":", 1)[1],
-                                           "--admin-token", token], run.logs))
+                                           "--spill", str(run.root / "gateway.spill")], run.logs,
+                                     {"STEPLINE_ADMIN_TOKEN": token}))  # in the environment: ps shows argv
         wait_healthy(children[-1], gateway_url, cfg.services.startup_timeout_s)
         yield gateway_url
     finally:

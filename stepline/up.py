@@ -4,7 +4,9 @@ Starts the built-in engine (unless --engine names a running one), the pool (embe
 or `stepline pool serve` with --serve-pool), and the gateway, each as its own subprocess with its log
 in STATE_DIR/logs; waits until each answers /health; opens one session and prints the base URL and key
 to give an OpenAI or Anthropic agent; on Ctrl-C stops the gateway first (it flushes its records),
-then the pool, then the engine.
+then the pool, then the engine. The gateway keeps a spill file in STATE_DIR: when `up` is killed with
+-9 every child gets SIGTERM at once (stepline.lifeline), the pool service may go first, and the calls
+the gateway could not write wait there for the next `up` on the same STATE_DIR.
 """
 
 from __future__ import annotations
@@ -209,6 +211,8 @@ def up_command(
                     pool_url,
                     "--port",
                     gateway_url.rsplit(":", 1)[1],
+                    "--spill",
+                    str(state_dir / "gateway.spill"),
                     *limit,
                 ],
                 logs,

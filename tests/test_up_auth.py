@@ -53,3 +53,21 @@ def _child_of(pid: int, parent: int) -> bool:
     except OSError:
         return False
     return int(stat.rsplit(")", 1)[1].split()[1]) == parent
+
+
+def test_run_hands_the_gateway_its_admin_token_through_the_environment(monkeypatch, tmp_path: Path) -> None:
+    """`stepline run` put `--admin-token` in its gateway's argv, readable by anyone through `ps`."""
+    import stepline.up
+    from stepline.job import JobConfig
+    from stepline.run import RunDir, services
+
+    started: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(stepline.up, "start", lambda name, args, logs, env=None: started.append((args, env or {})))
+    monkeypatch.setattr(stepline.up, "wait_healthy", lambda *a: None)
+    monkeypatch.setattr(stepline.up, "stop_all", lambda children: None)
+    cfg = JobConfig.model_validate({"services": {"engine_url": "http://127.0.0.1:1", "engine_kind": "sglang"}})
+    with services(cfg, RunDir(tmp_path), tmp_path, "secret-admin-token"):
+        pass
+    (argv, env), = started
+    assert "secret-admin-token" not in " ".join(argv) and "--admin-token" not in argv
+    assert env["STEPLINE_ADMIN_TOKEN"] == "secret-admin-token"

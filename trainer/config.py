@@ -65,6 +65,8 @@ class TrainerConfig(BaseModel):
     overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: soft-penalty buffer before max")
     overlong_factor: float = Field(1.0, ge=0, description="DAPO overlong shaping: penalty at max_len")
     sft_min_reward: float | None = Field(None, description="sft: train only episodes with outcome >= this")
+    count_abandoned: bool = Field(True, description="abandoned sessions (ended by the gateway's idle reaper) with a "
+                                  "terminal reward train with their group; False: left out (not in its baseline either)")
 
     # --- algorithm (names from trainer.algorithms registries) ---
     advantage: str = Field("grpo", description="advantage estimator, a key of ADVANTAGES")

@@ -192,10 +192,10 @@ def shaping(cfg: TrainerConfig):
 
 
 def episode_filter(cfg: TrainerConfig):
-    """SFT trains on chosen episodes only: outcome >= sft_min_reward."""
-    if cfg.mode != "sft" or cfg.sft_min_reward is None:
-        return lambda episode: True
-    return lambda episode: episode.outcome >= cfg.sft_min_reward
+    """SFT trains on chosen episodes only: outcome >= sft_min_reward; abandoned ones only if count_abandoned."""
+    chosen = cfg.mode != "sft" or cfg.sft_min_reward is None
+    return lambda episode: ((cfg.count_abandoned or episode.info.status != "abandoned")
+                            and (chosen or episode.outcome >= cfg.sft_min_reward))
 
 
 def objective(cfg: TrainerConfig, update_index: int, offline: bool) -> Objective:

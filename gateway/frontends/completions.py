@@ -163,6 +163,12 @@ async def _stream(job: Completions, request: web.Request, source: str | list[int
             raise ApiError(502, "engine: the stream ended without a final chunk", code="engine_error")
         gens: list[Generation] = finals  # type: ignore[assignment]
         completion = sum(len(g.output_ids) for g in gens)
+        timings["done"] = now()
+        # recorded before the last event: the harness holds a whole answer only once its record is durable
+        answer = job.answer([job.choice(i, g) for i, g in enumerate(gens)], len(prompt.ids), completion)
+        for i, gen in enumerate(gens):
+            job.commit(prompt, gen, samplings[i], upstream.version, timings, answer, isinstance(source, str))
+        await core.durable()
         if include_usage:
             await response.write(event({"id": job.id, "object": "text_completion", "created": job.created,
                                         "model": job.model, "choices": [], "usage": {
@@ -179,9 +185,5 @@ async def _stream(job: Completions, request: web.Request, source: str | list[int
         return response
     finally:
         await upstream.aclose()
-    timings["done"] = now()
-    answer = job.answer([job.choice(i, g) for i, g in enumerate(gens)], len(prompt.ids), completion)
-    for i, gen in enumerate(gens):
-        job.commit(prompt, gen, samplings[i], upstream.version, timings, answer, isinstance(source, str))
     core.observe("completions", True, timings, len(prompt.ids), gens)
     return response

@@ -3,15 +3,19 @@
 A front end turns its API's request into prompt ids (through `TokenState` for the chat-style APIs),
 asks `Core.generate` or `Core.open_stream` for the engine's output, parses it, answers in its own
 format, and hands one `CallRecord` per choice to `Core.record` (which never waits on the pool).
+With a spill file, a front end awaits `Core.durable()` before the last bytes of its answer (non-stream
+answers: the app's route does), so that nothing acknowledged is lost to a crash (gateway.spill).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
@@ -38,6 +42,8 @@ M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# the durability futures of the calls recorded by the request being handled (set by the app's route)
+UNSYNCED: contextvars.ContextVar[list[Future[None]]] = contextvars.ContextVar("unsynced")
 _LONG_NUMBER = re.compile(rb"\d{19}")  # every integer outside the 64-bit range has at least 19 digits
 
 
@@ -268,8 +274,19 @@ class Core:
             request=request_body,
             response=orjson.dumps(answer),
         )
-        self.recorder.record_call(record, compress=True)
+        done = self.recorder.record_call(record, compress=True)
+        if done is not None and (unsynced := UNSYNCED.get(None)) is not None:
+            unsynced.append(done)
         return index
+
+    async def durable(self) -> None:
+        """Wait until this request's recorded calls are in the pool or the spill file."""
+        pending = UNSYNCED.get([])
+        while pending:
+            try:
+                await asyncio.wrap_future(pending.pop())
+            except Exception:  # noqa: BLE001 - pool and disk both failed: the recorder logged it; answer anyway
+                pass
 
     def observe(self, api: str, stream: bool, timings: dict[str, float], prompt_len: int, gens: list[Generation]) -> None:
         first = timings["first_token"] - timings["received"] if "first_token" in timings else None

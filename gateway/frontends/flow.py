@@ -151,6 +151,10 @@ async def stream(core: Core, request: web.Request, session: Session, call: ChatC
             raise ApiError(502, "engine: the stream ended without a final chunk", code="engine_error")
         timings["done"] = now()
         choices = [Choice(i, p.final, collect(p.events)) for i, p in enumerate(progress)]  # type: ignore[arg-type]
+        # recorded before the last event: the harness holds a whole answer only once its record is durable
+        _commit(core, session, call, raw, prompt, samplings, upstream.version, timings, choices,
+                emitter.answer(choices, prompt))
+        await core.durable()
         await response.write(emitter.end(choices, prompt))
     except ApiError as err:  # after the headers: the API's in-stream error event; nothing recorded
         await _try_write(response, emitter.error(err))
@@ -159,8 +163,6 @@ async def stream(core: Core, request: web.Request, session: Session, call: ChatC
         return response
     finally:
         await upstream.aclose()
-    _commit(core, session, call, raw, prompt, samplings, upstream.version, timings, choices,
-            emitter.answer(choices, prompt))
     core.observe(call.api, True, timings, len(prompt.ids), [c.generation for c in choices])
     return response
 

@@ -25,10 +25,11 @@ from typing import Any
 
 import orjson
 import torch
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stepline.engine.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT, BoundedBody, Control
@@ -93,7 +94,7 @@ def create_app(model_dir: Path | str, *, incremental_streaming: bool = False, ma
     app.state.control = Control(control_token)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BadRequest, _bad_request)
-    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # FastAPI's own too (body parse errors)
     app.include_router(router)
     app.add_middleware(BoundedBody, max_bytes=max_body_bytes, read_timeout=read_timeout)
     return app
@@ -363,7 +364,7 @@ async def _bad_request(request: Request, exc: BadRequest) -> Response:
     return _json({"error": {"message": str(exc), "type": "BadRequest"}}, 400)
 
 
-async def _http_error(request: Request, exc: HTTPException) -> Response:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     kind = "Unauthorized" if exc.status_code == 401 else "BadRequest"
     return _json({"error": {"message": str(exc.detail), "type": kind}}, exc.status_code)
 

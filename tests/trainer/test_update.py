@@ -237,3 +237,14 @@ def test_igpo_reads_the_gold_answer_from_session_metadata(tiny_model_dir: Path, 
     batch = build_batch(groups, reference_ids=reference_ids(tiny_model_dir))
     with pytest.raises(ValueError, match="g0s1"):
         update(policy, batch, objective(cfg, 0, False), version=0)
+
+
+@pytest.mark.parametrize("count_abandoned", [True, False])
+def test_count_abandoned_decides_whether_an_abandoned_episode_trains(tiny_model_dir: Path, count_abandoned: bool) -> None:
+    from trainer.loop import episode_filter
+
+    (group,) = toy_groups(1)  # 4 episodes, each with a terminal reward
+    group.episodes[1].info.status = "abandoned"  # ended by the gateway's idle reaper
+    cfg = TrainerConfig(model_dir=tiny_model_dir, count_abandoned=count_abandoned)
+    batch = build_batch([group], keep_episode=episode_filter(cfg))
+    assert batch.outcome.numel() == (4 if count_abandoned else 3)  # left out of the baseline too

@@ -1,0 +1,151 @@
+"""The spill file (issue 12, finding 5): calls acknowledged while the pool is down survive a restart.
+
+Before it, a pool outage followed by a gateway crash or shutdown lost every queued call (4 of 4 in the
+report); these tests pin that each acknowledged call reaches the pool once, after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from datapool import open_pool
+from datapool.records import CallRecord, SessionInfo
+from gateway.recorder import Recorder
+from gateway.spill import Spill
+
+
+def call(session: str, index: int) -> CallRecord:
+    return CallRecord(session_id=session, call_index=index, prompt_ids=np.arange(3 + index, dtype=np.int32),
+                      output_ids=np.array([7, 8], dtype=np.int32),
+                      output_logprobs=np.array([-0.1, -0.2], dtype=np.float32), weight_version=0,
+                      request=b'{"messages": []}', response=b'{"id": "%d"}' % index)
+
+
+class Flaky:
+    """An SQLite pool whose writes fail (as a dead pool service's would) while `down`."""
+
+    def __init__(self, path: Path) -> None:
+        self.pool = open_pool(f"sqlite:///{path}")
+        self.down = False
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.pool, name)
+        if name in ("create_session", "add_calls", "add_reward", "end_session") and callable(attr):
+            def write(*args, **kwargs):
+                if self.down:
+                    raise ConnectionError("pool service unreachable")
+                return attr(*args, **kwargs)
+            return write
+        return attr
+
+
+def recorder(pool: object, spill: Path) -> Recorder:
+    return Recorder(pool, flush_interval=0.001, max_backoff=0.02, close_timeout=30.0,  # type: ignore[arg-type]
+                    spill=Spill(spill))
+
+
+async def test_calls_acknowledged_during_an_outage_are_written_once_after_a_restart(tmp_path: Path) -> None:
+    pool = Flaky(tmp_path / "pool.db")
+    first = recorder(pool, tmp_path / "gw.spill")
+    await first.start()
+    await first.create_session(SessionInfo("s", "t", "h"))
+    pool.down = True
+    acks = [first.record_call(call("s", i), compress=True) for i in range(5)]
+    # each answer may leave: the call is durable although the pool took none of them
+    await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(a) for a in acks)), 10)
+    await asyncio.wait_for(first.aclose(), 10)  # shutdown does not wait out close_timeout: it is spilled
+    assert pool.pool.get_tree("s").calls == {}
+    assert (tmp_path / "gw.spill").stat().st_size > 0
+
+    pool.down = False
+    for _ in range(2):  # the second start replays nothing new: the file was truncated after the commit
+        again = recorder(pool, tmp_path / "gw.spill")
+        await again.start()
+        await again.flush()
+        await again.aclose()
+    assert sorted(pool.pool.get_tree("s").calls) == [0, 1, 2, 3, 4]
+    assert pool.pool.stats()["calls"] == 5
+    assert (tmp_path / "gw.spill").stat().st_size == 0
+
+
+async def test_replaying_calls_the_pool_already_holds_adds_nothing(tmp_path: Path) -> None:
+    """A crash between the pool's commit and the spill file's truncation re-sends: exactly once still."""
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
+    pool.create_session(SessionInfo("s", "t", "h"))
+    pool.add_calls([call("s", 0), call("s", 1)])
+    spill = Spill(tmp_path / "gw.spill")
+    spill.append([call("s", 0), call("s", 1), call("s", 2)])
+    spill.close()
+    rec = recorder(pool, tmp_path / "gw.spill")
+    await rec.start()
+    await rec.flush()
+    await rec.aclose()
+    assert rec.replayed == 3 and rec.dropped == 0
+    assert pool.stats()["calls"] == 3 and sorted(pool.get_tree("s").calls) == [0, 1, 2]
+
+
+async def test_pool_recovery_writes_the_spilled_calls_and_empties_the_file(tmp_path: Path) -> None:
+    pool = Flaky(tmp_path / "pool.db")
+    rec = recorder(pool, tmp_path / "gw.spill")
+    await rec.start()
+    await rec.create_session(SessionInfo("s", "t", "h"))
+    pool.down = True
+    acks = [rec.record_call(call("s", i)) for i in range(3)]
+    await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(a) for a in acks)), 10)
+    assert (tmp_path / "gw.spill").stat().st_size > 0
+    pool.down = False
+    await asyncio.wait_for(rec.flush(), 10)
+    assert sorted(pool.pool.get_tree("s").calls) == [0, 1, 2]
+    assert (tmp_path / "gw.spill").stat().st_size == 0
+    await rec.aclose()
+
+
+def test_a_torn_last_record_is_cut_and_later_appends_stay_readable(tmp_path: Path) -> None:
+    path = tmp_path / "gw.spill"
+    spill = Spill(path)
+    spill.append([call("s", 0), call("s", 1)])
+    spill.close()
+    with path.open("ab") as f:  # a crash in the middle of an append (never fsync'd, never acknowledged)
+        f.write(b"\x40\x00\x00\x00garbage")
+    spill = Spill(path)
+    assert [r.call_index for r in spill.load()] == [0, 1]
+    spill.append([call("s", 2)])
+    spill.close()
+    loaded = Spill(path).load()
+    assert [r.call_index for r in loaded] == [0, 1, 2]
+    assert loaded[2].response == b'{"id": "2"}' and loaded[2].prompt_ids.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_answer_waits_until_its_call_is_durable(tiny_model_dir: Path, tmp_path: Path, stream: bool) -> None:
+    """With a spill file, an answer (stream or not) is sent only after its call is in the pool."""
+    import httpx
+
+    from tests.gateway.gateway_helpers import fake_engine, serve, tokenizer
+
+    tok = tokenizer(tiny_model_dir)
+    async with fake_engine(tok, ["hello"]) as engine, serve(tiny_model_dir, [engine], tmp_path,
+                                                            spill_path=str(tmp_path / "gw.spill")) as served:
+        session = await served.session()
+        gate = asyncio.Event()
+        real = served.pool.add_calls
+
+        def held(records):  # the pool commits only once the test says so
+            asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(10)
+            real(records)
+
+        loop = asyncio.get_running_loop()
+        served.pool.add_calls = held  # type: ignore[method-assign]
+        async with httpx.AsyncClient(timeout=30) as client:
+            reply = asyncio.create_task(client.post(
+                f"{session['openai_base_url']}/chat/completions",
+                headers={"Authorization": f"Bearer {session['api_key']}"},
+                json={"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}))
+            await asyncio.sleep(0.5)
+            assert not reply.done()  # generated, recorded, not yet durable: no answer yet
+            gate.set()
+            assert (await reply).status_code == 200
+        assert len(served.pool.get_tree(session["session_id"]).calls) == 1

@@ -1,0 +1,230 @@
+"""Kill -9 under a steady stream of calls (issue 12, finding 5): acknowledged records lost = 0.
+
+Real processes on loopback: the fake engine (gateway.testing), the pool service and the gateway, or
+`stepline up --serve-pool` in front of the fake engine. Harness threads keep calling; every answer
+they got (status 200) names a call id, and after the crash and a restart on the same files each of
+those ids must be in the pool. Before the spill file, the report lost 4 of 4 (pool down, then the
+gateway killed) and 1 of 30 (`up --serve-pool` killed: its pool went first and the gateway dropped
+its queue)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import orjson
+import zstandard
+
+from datapool import open_pool
+from stepline.up import free_port
+
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("STEPLINE_POOL", "STEPLINE_ENGINE",
+                                                                    "STEPLINE_ADMIN"))},
+       "OMP_NUM_THREADS": "1", "STEPLINE_ADMIN_TOKEN": "adm"}
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=ENV)
+
+
+def healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 40.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not healthy:\n{log.read_text()}")
+
+
+class Stream:
+    """Harness threads, one session each, calling without pause; `acked` holds the id of every answer."""
+
+    def __init__(self, gateway: str, sessions: int = 3) -> None:
+        self.acked: set[str] = set()
+        self._stop = threading.Event()
+        opened = [httpx.post(f"{gateway}/sessions", json={"task_id": "t", "harness": "h"},
+                             headers={"Authorization": "Bearer adm"}, timeout=10).json() for _ in range(sessions)]
+        self._threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in opened]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, session: dict) -> None:
+        with httpx.Client(base_url=session["openai_base_url"], timeout=30,
+                          headers={"Authorization": f"Bearer {session['api_key']}"}) as client:
+            while not self._stop.is_set():
+                try:
+                    reply = client.post("/chat/completions", json={
+                        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+                except httpx.HTTPError:  # the gateway died under the call: not acknowledged
+                    time.sleep(0.05)
+                    continue
+                if reply.status_code == 200:
+                    self.acked.add(reply.json()["id"])
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(40)
+
+
+def recorded_ids(db: Path) -> set[str]:
+    """The answer id of every call in the pool (each call stores its answer, zstd'd JSON)."""
+    pool = open_pool(f"sqlite:///{db}")
+    unzip = zstandard.ZstdDecompressor()
+    try:
+        return {orjson.loads(unzip.decompress(c.response))["id"]
+                for s in pool.list_sessions() for c in pool.get_calls(s.session_id)}
+    finally:
+        pool.close()
+
+
+def wait_recorded(db: Path, acked: set[str], timeout: float = 20.0) -> set[str]:
+    """The acknowledged ids still missing from the pool once it stops changing (replay is asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while (missing := acked - recorded_ids(db)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return missing
+
+
+@contextmanager
+def fake_engine(tmp_path: Path) -> Iterator[str]:
+    url = f"http://127.0.0.1:{free_port()}"
+    log = tmp_path / "engine.log"
+    proc = spawn(["gateway.testing", "--port", url.rsplit(":", 1)[1], "--tokens", "4"], log)
+    try:
+        healthy(url, proc, log)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_kill9_gateway_and_pool_service_lose_no_acknowledged_call(tiny_model_dir: Path, tmp_path: Path) -> None:
+    db, spill = tmp_path / "pool.db", tmp_path / "gateway.spill"
+    pool_url = f"http://127.0.0.1:{free_port()}"
+
+    def pool_service() -> subprocess.Popen:
+        proc = spawn(["stepline.cli", "pool", "serve", "--db", f"sqlite:///{db}", "--port",
+                      pool_url.rsplit(":", 1)[1]], tmp_path / "pool.log")
+        healthy(pool_url, proc, tmp_path / "pool.log")
+        return proc
+
+    def gateway(engine: str) -> tuple[str, subprocess.Popen]:
+        url = f"http://127.0.0.1:{free_port()}"
+        proc = spawn(["stepline.cli", "gateway", "--engine", engine, "--engine-kind", "sglang", "--model",
+                      str(tiny_model_dir), "--pool", pool_url, "--port", url.rsplit(":", 1)[1], "--spill", str(spill)],
+                     tmp_path / "gateway.log")
+        healthy(url, proc, tmp_path / "gateway.log")
+        return url, proc
+
+    acked: set[str] = set()
+    with fake_engine(tmp_path) as engine:
+        pool = pool_service()
+        procs = [pool]
+        try:
+            # 1. the pool is up; the gateway is killed while calls are in flight
+            url, gw = gateway(engine)
+            procs.append(gw)
+            stream = Stream(url)
+            time.sleep(1.5)
+            gw.kill()
+            stream.stop()
+            acked |= stream.acked
+            # 2. the pool service is killed too, the stream goes on (answers wait for the spill file),
+            #    then the gateway is killed
+            url, gw = gateway(engine)
+            procs.append(gw)
+            stream = Stream(url)
+            time.sleep(1.0)
+            pool.kill()
+            time.sleep(3.0)
+            gw.kill()
+            stream.stop()
+            outage = stream.acked
+            acked |= outage
+            assert spill.stat().st_size > 0  # the calls of the outage are waiting there
+            # 3. both come back: the new gateway replays the spill file into the pool
+            pool = pool_service()
+            procs.append(pool)
+            _, gw = gateway(engine)
+            procs.append(gw)
+            missing = wait_recorded(db, acked)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    assert len(acked) > 20 and outage - recorded_ids(db) == set() and len(outage) > 0
+    assert missing == set(), f"{len(missing)} of {len(acked)} acknowledged calls lost"
+
+
+def test_kill9_up_serve_pool_loses_no_acknowledged_call(tiny_model_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+
+    def up(engine: str) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", "up", "--model", str(tiny_model_dir),
+                                 "--engine", engine, "--engine-kind", "sglang", "--serve-pool", "--port", "0",
+                                 "--state-dir", str(state), "--admin-token", "adm"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+        text = ""
+        while "OPENAI_BASE_URL" not in text:
+            line = proc.stdout.readline()
+            assert line, f"up exited: {text}"
+            text += line
+        return proc, re.search(r"gateway\s+(http://\S+)", text).group(1)
+
+    with fake_engine(tmp_path) as engine:
+        proc, url = up(engine)
+        children = _children(proc.pid)
+        stream = Stream(url)
+        time.sleep(2.0)
+        proc.kill()  # every child gets SIGTERM at once (stepline.lifeline); the pool service may go first
+        proc.wait()
+        for pid in children:
+            _wait_gone(pid, 40)
+        stream.stop()
+        again, _ = up(engine)  # the next `up` on the same state dir writes what was spilled
+        try:
+            missing = wait_recorded(state / "pool.db", stream.acked)
+        finally:
+            again.send_signal(signal.SIGINT)
+            again.wait(60)
+    assert len(stream.acked) > 10
+    assert missing == set(), f"{len(missing)} of {len(stream.acked)} acknowledged calls lost"
+
+
+def _children(parent: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                out.append(int(name))
+        except OSError:
+            pass
+    return out
+
+
+def _wait_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"child {pid} still running {timeout} s after its parent was killed")
