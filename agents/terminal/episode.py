@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agents.common import EndpointError, Episode, Tool, ToolCall, anthropic_schema
-from agents.terminal.sandbox import Limits, Sandbox, quotas_available
+from agents.terminal.sandbox import Limits, Sandbox
 from agents.terminal.tasks import Task, setup
 
 SYSTEM = "You are in a Linux shell. Use the bash tool to do the task, then say done."
@@ -26,14 +26,9 @@ class MessagesClient(Protocol):
     def create(self, **kwargs: Any) -> Any: ...
 
 
-def episode_limits() -> Limits:
-    """The sandbox limits of an episode: with a disk and inode quota where this machine can enforce one."""
-    return Limits(disk_bytes=64 << 20, inodes=8192) if quotas_available() else Limits()
-
-
 def open_sandbox(task: Task, out: Path, limits: Limits | None = None) -> Sandbox:
     """A fresh sandbox at out/sandbox with the task's input files, owned by the sandbox uid."""
-    box = Sandbox(out / "sandbox", limits or episode_limits())
+    box = Sandbox(out / "sandbox", limits)
     setup(task, box.directory)
     box.prepare()
     return box
@@ -134,4 +129,4 @@ def _block(block: Any) -> dict[str, Any]:
 def _summary(box: Sandbox) -> dict[str, Any]:
     """For people reading episode.json: which sandbox mode ran, and the files left behind."""
     files = sorted(str(p.relative_to(box.directory)) for p in box.directory.rglob("*"))[:50]
-    return {"api": "anthropic.messages", "sandbox_mode": box.mode, "quota": box.quota, "files": files}
+    return {"api": "anthropic.messages", "sandbox_mode": box.mode, "files": files}

@@ -16,13 +16,6 @@ Enforcement, strongest available mode first (`detect_mode()` probes once per pro
 
 Limits in both modes: wall time per command (the group is SIGKILLed), CPU seconds, address space,
 file size, process count, and output bytes (the reader stops and kills the command past the cap).
-
-Per-episode quotas (`Limits.disk_bytes`, `Limits.inodes`; namespace mode as root only): the sandbox
-directory is a tmpfs mounted with that size and nr_inodes (and nosuid, nodev) for the episode;
-`close()` copies what it holds back to an ordinary directory and unmounts it. Asking for quotas where
-they cannot be enforced (plain mode, or namespaces without root) raises `QuotaUnavailable`. In every
-mode the sandbox directory is mounted nosuid for commands, and setuid/setgid bits are cleared after
-each command, so no setuid file outlives the command that made it.
 A command also dies with the harness process (parent-death signal), so killing a harness at its
 episode timeout leaves nothing behind in namespace mode.
 """
@@ -36,9 +29,7 @@ import resource
 import select
 import shutil
 import signal
-import stat
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +50,7 @@ for d in bin sbin lib lib32 lib64 libx32 usr etc; do
 done
 mkdir "$R/work" "$R/tmp" "$R/proc" "$R/dev"
 mount --bind "$SANDBOX_DIR" "$R/work"
-mount -o remount,bind,nosuid,nodev "$R/work"
-mount -t tmpfs -o size=16m,mode=1777,nosuid,nodev sandbox-tmp "$R/tmp"
+mount -t tmpfs -o size=16m,mode=1777 sandbox-tmp "$R/tmp"
 mount -t proc proc "$R/proc"
 for n in null zero random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
 mount -o remount,ro,bind "$R"
@@ -88,19 +78,6 @@ class Limits(BaseModel):
     file_bytes: int = Field(8 << 20, gt=0, description="RLIMIT_FSIZE: largest file a command may write")
     processes: int = Field(64, gt=0, description="RLIMIT_NPROC for the sandbox uid")
     output_bytes: int = Field(2048, gt=0, description="output returned to the agent (rest truncated)")
-    disk_bytes: int | None = Field(
-        None, gt=0, description="bytes the sandbox directory may hold, per episode (None: no quota; needs quotas)")
-    inodes: int | None = Field(
-        None, gt=0, description="files + directories the sandbox directory may hold, per episode (None: no quota)")
-
-
-class QuotaUnavailable(RuntimeError):
-    """Disk or inode quotas were asked for where this sandbox cannot enforce them."""
-
-
-def quotas_available(mode: Mode | None = None) -> bool:
-    """Whether a sandbox in `mode` (None: the detected one) can enforce disk and inode quotas."""
-    return (mode or detect_mode()) == "namespace" and os.geteuid() == 0
 
 
 @dataclass
@@ -154,27 +131,6 @@ class Sandbox:
         # As root, run commands under an unprivileged uid of their own: the pid makes it unique
         # among live episodes, so RLIMIT_NPROC is per episode.
         self.uid: int | None = 1_000_000 + os.getpid() if os.geteuid() == 0 else None
-        self.quota = self.limits.disk_bytes is not None or self.limits.inodes is not None
-        if self.quota:
-            self._mount_quota(forced=mode is not None)
-
-    def _mount_quota(self, forced: bool) -> None:
-        """Mount a size- and inode-limited tmpfs (nosuid, nodev) on the (empty) sandbox directory."""
-        if not quotas_available(self.mode):
-            how = "forced" if forced else "the only mode available here"
-            why = "plain mode has no namespaces" if self.mode == "plain" else "mounting one needs root"
-            raise QuotaUnavailable(
-                f"disk_bytes / inodes quotas need a tmpfs per episode, and {why} (mode {self.mode!r}, {how}); "
-                "run in namespace mode as root, or set Limits(disk_bytes=None, inodes=None) to run without quotas")
-        if any(self.directory.iterdir()):
-            raise QuotaUnavailable(f"{self.directory} is not empty: a quota tmpfs would hide its files")
-        options = ["nosuid", "nodev", "mode=0755"]
-        if self.limits.disk_bytes is not None:
-            options.append(f"size={self.limits.disk_bytes}")
-        if self.limits.inodes is not None:
-            options.append(f"nr_inodes={self.limits.inodes}")
-        subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "stepline-sandbox", str(self.directory)],
-                       check=True, capture_output=True)
 
     def prepare(self) -> None:
         """Hand the directory (after task setup wrote its files) to the sandbox uid."""
@@ -193,7 +149,6 @@ class Sandbox:
             return self._collect(proc)
         finally:
             _kill_group(proc)
-            _strip_setid(self.directory)
 
     def _argv(self, command: str) -> tuple[list[str], dict[str, str], str]:
         if self.mode == "namespace":
@@ -252,49 +207,9 @@ class Sandbox:
         return CommandResult(output=text, exit_code=code, timed_out=timed_out, truncated=truncated)
 
     def close(self) -> None:
-        """Nothing runs between commands; in plain mode sweep the sandbox uid once more. With quotas, the
-        tmpfs's files are copied back to an ordinary directory (for the verifier) and it is unmounted."""
+        """Nothing runs between commands; in plain mode sweep the sandbox uid once more."""
         if self.mode == "plain" and self.uid is not None:
             subprocess.run(["pkill", "-KILL", "-U", str(self.uid)], check=False, capture_output=True)
-        if self.quota and os.path.ismount(self.directory):
-            kept = Path(tempfile.mkdtemp(prefix=f".{self.directory.name}-", dir=self.directory.parent))
-            _copy_tree(self.directory, kept)
-            subprocess.run(["umount", str(self.directory)], check=True, capture_output=True)
-            self.directory.rmdir()
-            kept.rename(self.directory)
-        self.quota = False
-
-
-def _strip_setid(root: Path) -> None:
-    """Clear setuid and setgid bits on everything under root (symlinks are not followed)."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in [*dirnames, *filenames]:
-            path = os.path.join(dirpath, name)
-            try:
-                mode = os.lstat(path).st_mode
-                if not stat.S_ISLNK(mode) and mode & (stat.S_ISUID | stat.S_ISGID):
-                    os.chmod(path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
-            except OSError:
-                pass
-
-
-def _copy_tree(src: Path, dst: Path) -> None:
-    """Copy directories, regular files and symlinks (modes without setuid/setgid); skip fifos,
-    sockets and devices (a fifo would block the copy)."""
-    for entry in os.scandir(src):
-        target = dst / entry.name
-        mode = entry.stat(follow_symlinks=False).st_mode
-        if stat.S_ISLNK(mode):
-            os.symlink(os.readlink(entry.path), target)
-        elif stat.S_ISDIR(mode):
-            target.mkdir()
-            _copy_tree(Path(entry.path), target)
-        elif stat.S_ISREG(mode):
-            shutil.copyfile(entry.path, target, follow_symlinks=False)
-        else:
-            continue
-        if not stat.S_ISLNK(mode):
-            os.chmod(target, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
 
 
 def _read_some(fd: int, timeout: float) -> bytes | None:
