@@ -98,7 +98,7 @@ def prefix_ratio(
     over the trajectory's action tokens in order (observation tokens come from the environment, ratio 1).
     It feels the drift of the whole prefix a token was sampled after (token ratios do not), yet keeps a
     value per position (GSPO's sequence ratio does not). Gradient flows into every earlier token. Tokens
-    of a call shared by forks train once, under their owning trajectory (DESIGN.md §2.2), so a fork's
+    of a call shared by forks train once, under their owning trajectory (docs/architecture.md §2), so a fork's
     prefix starts after them. [N] -> [N]; masked tokens count as r = 1.
     """
     if logp.numel() == 0:
