@@ -230,7 +230,9 @@ async def group(request: web.Request) -> web.Response:
     key = request.match_info["group_key"]
     members = [r.session_id for r in state.index.snapshot if r.group_key == key]
     if not members:
-        return error(404, "UnknownGroup", f"no group {key!r} in the episodes index")
+        indexed = _indexing(state)
+        return error(404, "UnknownGroup", f"no group {key!r} among the {indexed['indexed']} sessions indexed "
+                                          f"(of {indexed['total']} in the pool)")
     if len(members) > MAX_GROUP:
         return error(400, "GroupTooLarge", f"group {key!r} has {len(members)} sessions; the group view shows at most "
                                            f"{MAX_GROUP} (the episodes table pages through them: ?group=)")

@@ -234,7 +234,8 @@ async def test_the_index_fills_in_within_its_budget(run_fixture):
 
 async def test_the_token_guards_every_route(run_fixture):
     async with dashboard(run_dir=run_fixture.root, token="s3cret") as client:
-        for path in ("/", "/static/app.js", "/api/info", "/api/run", "/api/sessions", "/api/sessions/s-fork"):
+        for path in ("/", "/static/app.js", "/api/info", "/api/run", "/api/sessions", "/api/sessions/s-fork",
+                     "/api/groups", "/api/groups/t-fork::search"):
             assert (await client.get(path)).status == 401, path
             assert (await client.get(path, headers={"Authorization": "Bearer wrong"})).status == 401, path
         assert (await client.get("/api/info", headers={"Authorization": "Bearer s3cret"})).status == 200
