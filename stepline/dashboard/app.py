@@ -7,6 +7,8 @@
     GET /api/run                  the run view: charts, evaluations, phases, pool stats
     GET /api/sessions?…           a page of the episodes table (`SessionQuery`: paging, filters, sort)
     GET /api/sessions/<id>        one episode's tree of steps, decoded (?leaf_rule= overrides the job's)
+    GET /api/groups?…             a page of the groups table (`GroupQuery`: one row per task × harness group)
+    GET /api/groups/<key>         one group's episodes side by side with the advantages the trainer would compute
 
 Errors are JSON {"error": {"type", "message"}}: 400 for a malformed query, 401 without the access
 token, 404 for an unknown session or route, 503 (with Retry-After) while the pool cannot be read.
@@ -25,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast, get_args
+from typing import Any, TypeVar, cast, get_args
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -34,6 +36,7 @@ from datapool import open_pool
 from datapool.base import UnknownSession
 from datapool.records import LeafRule
 from stepline.dashboard.episode import Decoder, episode_view, load_decoder
+from stepline.dashboard.groups import MAX_GROUP, GroupQuery, group_rows, group_view, select_groups, trainer_config
 from stepline.dashboard.runfiles import RunFiles
 from stepline.dashboard.runview import run_view
 from stepline.dashboard.sessions import POOL_DOWN, SessionIndex, SessionQuery, facets, select
@@ -176,20 +179,80 @@ async def run(request: web.Request) -> web.Response:
     return web.json_response({**await asyncio.to_thread(build), "index": _indexing(state)})
 
 
-def _query(request: web.Request) -> SessionQuery:
-    params = {k: v for k, v in request.query.items() if k != "token"}
-    return SessionQuery.model_validate(params)
+Query = TypeVar("Query", SessionQuery, GroupQuery)
+
+
+class BadQuery(ValueError):
+    """A query string that no model would take (a parameter given twice)."""
+
+
+def _query(request: web.Request, model: type[Query]) -> Query:
+    """The query string as `model`; a parameter given twice is refused rather than one copy silently kept."""
+    keys = [k for k, _ in request.query.items() if k != "token"]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise BadQuery(f"{', '.join(twice)}: given more than once")
+    return model.model_validate({k: request.query[k] for k in keys})
+
+
+def _invalid(exc: ValidationError | BadQuery) -> web.Response:
+    if isinstance(exc, BadQuery):
+        return error(400, "InvalidQuery", str(exc))
+    where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
+    return error(400, "InvalidQuery", where)
 
 
 async def sessions(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
-        query = _query(request)
-    except ValidationError as exc:
-        where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
-        return error(400, "InvalidQuery", where)
+        query = _query(request, SessionQuery)
+    except (ValidationError, BadQuery) as exc:
+        return _invalid(exc)
     rows = state.index.snapshot
     return web.json_response({**select(rows, query), "facets": facets(rows), "index": _indexing(state)})
+
+
+async def groups(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        query = _query(request, GroupQuery)
+    except (ValidationError, BadQuery) as exc:
+        return _invalid(exc)
+    rows = state.index.snapshot
+    return web.json_response({**select_groups(group_rows(rows), query), "facets": facets(rows),
+                              "index": _indexing(state)})
+
+
+async def group(request: web.Request) -> web.Response:
+    """The group's sessions are those of the episodes table with its key (the index: a session the
+    pool holds but the index has not summarised yet appears on the next poll)."""
+    state = request.app[STATE]
+    key = request.match_info["group_key"]
+    members = [r.session_id for r in state.index.snapshot if r.group_key == key]
+    if not members:
+        indexed = _indexing(state)
+        return error(404, "UnknownGroup", f"no group {key!r} among the {indexed['indexed']} sessions indexed "
+                                          f"(of {indexed['total']} in the pool)")
+    if len(members) > MAX_GROUP:
+        return error(400, "GroupTooLarge", f"group {key!r} has {len(members)} sessions; the group view shows at most "
+                                           f"{MAX_GROUP} (the episodes table pages through them: ?group=)")
+    job = state.run.job() if state.run else {}
+
+    def build() -> dict[str, Any]:
+        cfg, problem = trainer_config(job.get("trainer") or {})
+        cfg = cfg.model_copy(update={"leaf_rule": state.leaf_rule})
+        with state.index.lock:
+            episodes = [state.index.pool().get_episode(s, cast(LeafRule, state.leaf_rule)) for s in members]
+        view = group_view(key, episodes, cfg)
+        view["settings"] = problem or ("the job's [trainer] table" if state.run else "trainer defaults (no run directory)")
+        return view
+
+    try:
+        return web.json_response(await state.in_pool_thread(build))
+    except UnknownSession as exc:  # removed between the index's listing and now
+        return error(404, "UnknownSession", f"a session of group {key!r} is no longer in the pool: {exc}")
+    except POOL_DOWN as exc:
+        return error(503, "PoolUnavailable", f"the pool cannot be read now: {exc}", **{"Retry-After": RETRY_AFTER_S})
 
 
 async def episode(request: web.Request) -> web.Response:
@@ -254,6 +317,8 @@ def make_app(config: DashboardConfig) -> web.Application:
     app.router.add_get("/api/run", run)
     app.router.add_get("/api/sessions", sessions)
     app.router.add_get("/api/sessions/{session_id:.+}", episode)
+    app.router.add_get("/api/groups", groups)
+    app.router.add_get("/api/groups/{group_key:.+}", group)
     app.on_startup.append(_start)
     app.on_cleanup.append(_stop)
     return app

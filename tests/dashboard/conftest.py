@@ -39,8 +39,9 @@ class Writer:
         return CallRecord(sid, index, prompt, out, logprobs, version), np.concatenate([prompt, out])
 
 
-def write_linear(w: Writer, sid: str, harness: str, task: str, turns: int, version: int, metadata=None) -> None:
-    w.pool.create_session(SessionInfo(sid, task, harness, metadata=metadata or {}))
+def write_linear(w: Writer, sid: str, harness: str, task: str, turns: int, version: int, metadata=None,
+                 group: str | None = None) -> None:
+    w.pool.create_session(SessionInfo(sid, task, harness, group_id=group, metadata=metadata or {}))
     prompt, records = w.ids(f"system: solve {task}\nuser: go"), []
     for t in range(turns):
         record, seq = w.call(sid, t, prompt, f"step {t}: I think the answer is {t * 7} é", version + t)
@@ -49,10 +50,10 @@ def write_linear(w: Writer, sid: str, harness: str, task: str, turns: int, versi
     w.pool.add_calls(records)
 
 
-def write_forked(w: Writer, sid: str) -> None:
+def write_forked(w: Writer, sid: str, task: str = "t-fork", group: str | None = None) -> None:
     """call 0; calls 1 and 2 share call 0's sequence but add different observations (a fork);
     call 3 retries call 2's prompt, so call 2's leaf is superseded (dead)."""
-    w.pool.create_session(SessionInfo(sid, "t-fork", "search"))
+    w.pool.create_session(SessionInfo(sid, task, "search", group_id=group))
     r0, seq0 = w.call(sid, 0, w.ids("system: fork task\nuser: find it"), "search for it", 1)
     r1, _ = w.call(sid, 1, np.concatenate([seq0, w.ids("\ntool: page A")]), "answer A", 1)
     p2 = np.concatenate([seq0, w.ids("\ntool: page B, rewritten")])
@@ -125,3 +126,66 @@ def run_fixture(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) 
     write_run_files(root, tiny_model_dir)
     sessions = build_pool(root / "pool.db", Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")))
     return RunFixture(root, tiny_model_dir, sessions)
+
+
+def build_group_pool(path: Path, tokenizer) -> None:
+    """Groups as the rollout driver makes them (an explicit group id per task × harness draw):
+    g-var: rewards 1, 0, 0.5 (s-var-1 two turns, s-var-2 forked); g-same: rewards 1, 1; g-open: one
+    ended and rewarded, one still open; g-big is task t-big's default key (no group id) with one session."""
+    pool = open_pool(f"sqlite:///{path}")
+    w = Writer(pool, tokenizer)
+    try:
+        write_linear(w, "s-var-0", "search", "t-g", turns=1, version=0, group="g-var")
+        write_linear(w, "s-var-1", "search", "t-g", turns=2, version=0, group="g-var")
+        write_forked(w, "s-var-2", task="t-g", group="g-var")
+        write_linear(w, "s-same-0", "ui", "t-s", turns=1, version=1, group="g-same")
+        write_linear(w, "s-same-1", "ui", "t-s", turns=1, version=1, group="g-same")
+        write_linear(w, "s-open-0", "ui", "t-o", turns=1, version=1, group="g-open")
+        write_linear(w, "s-open-1", "ui", "t-o", turns=1, version=1, group="g-open")
+        write_linear(w, "s-big-0", "terminal", "t-big", turns=1, version=2)
+        for sid, reward in (("s-var-0", 1.0), ("s-var-1", 0.0), ("s-same-0", 1.0), ("s-same-1", 1.0),
+                            ("s-open-0", 0.0), ("s-big-0", 1.0)):
+            pool.add_reward(Reward(sid, reward))
+            pool.end_session(sid)
+        pool.add_reward(Reward("s-var-2", 0.5))  # its dense step reward (0.5 at step 0) came with write_forked
+        pool.end_session("s-var-2")
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def group_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """A run directory whose job trains with GRPO and dynamic sampling, and whose pool holds `build_group_pool`."""
+    from tokenizers import Tokenizer
+
+    root = tmp_path_factory.mktemp("dashboard-groups") / "run"
+    write_run_files(root, tiny_model_dir)
+    (root / "job.json").write_text(json.dumps({"trainer": {"advantage": "grpo", "dynamic_sampling": True,
+                                                           "leaf_rule": "drop_superseded"}}))
+    build_group_pool(root / "pool.db", Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")))
+    return root
+
+
+@pytest.fixture(scope="session")
+def session_writer(tiny_model_dir: Path):
+    """write(path, n, pause_s): n linear sessions (groups of two, one or two turns) written one by one into a new
+    SQLite pool at path — created, called, rewarded and ended — as a job writes them."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+
+    def write(path: Path, n: int, pause_s: float = 0.0) -> None:
+        pool = open_pool(f"sqlite:///{path}")
+        w = Writer(pool, tokenizer)
+        try:
+            for i in range(n):
+                sid = f"s-live-{i}"
+                write_linear(w, sid, "search", f"t-live-{i // 2}", turns=1 + i % 2, version=i // 4,
+                             group=f"g-live-{i // 2}")
+                pool.add_reward(Reward(sid, float(i % 3 == 0)))
+                pool.end_session(sid)
+                time.sleep(pause_s)
+        finally:
+            pool.close()
+
+    return write

@@ -1,10 +1,11 @@
 """The dashboard's JSON API on a run-like directory (tests/dashboard/conftest.py): the episodes table's
 paging and filters, an episode's tree equal to the pool's token for token, the run view's series, the
-access token, and 4xx (never 500) for bad input."""
+group view's advantages, the access token, and 4xx (never 500) for bad input."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ from tokenizers import Tokenizer
 from datapool import open_pool
 from datapool.steps import select_leaves, superseded_leaves
 from stepline.dashboard.app import DashboardConfig, make_app
+from stepline.dashboard.groups import group_view, trainer_config
 from stepline.report import wilson
 
 
@@ -232,7 +234,8 @@ async def test_the_index_fills_in_within_its_budget(run_fixture):
 
 async def test_the_token_guards_every_route(run_fixture):
     async with dashboard(run_dir=run_fixture.root, token="s3cret") as client:
-        for path in ("/", "/static/app.js", "/api/info", "/api/run", "/api/sessions", "/api/sessions/s-fork"):
+        for path in ("/", "/static/app.js", "/api/info", "/api/run", "/api/sessions", "/api/sessions/s-fork",
+                     "/api/groups", "/api/groups/t-fork::search"):
             assert (await client.get(path)).status == 401, path
             assert (await client.get(path, headers={"Authorization": "Bearer wrong"})).status == 401, path
         assert (await client.get("/api/info", headers={"Authorization": "Bearer s3cret"})).status == 200
@@ -315,3 +318,192 @@ def test_run_and_up_start_it_beside_them(tmp_path, run_fixture):
         pass
     with dashboard_beside(["--pool", "sqlite:///x.db"], None, tmp_path / "logs") as nothing:
         assert nothing is None  # no --dashboard-port: no dashboard
+
+
+# --- the group view (conftest.py `group_run`) ---
+
+EPS = 1e-6  # GRPO's eps in the std's denominator
+
+
+async def get_group(client, key: str) -> dict:
+    response = await client.get(f"/api/groups/{key}")
+    assert response.status == 200, await response.text()
+    return await response.json()
+
+
+async def test_grpo_advantages_of_a_group_by_hand(group_run):
+    async with dashboard(run_dir=group_run) as client:
+        await settled(client)
+        view = await get_group(client, "g-var")
+    assert (view["advantage"], view["task_id"], view["harness"], view["skip"]) == ("grpo", "t-g", "search", None)
+    cards = {c["session_id"]: c for c in view["episodes"]}
+    assert [c["reward"] for c in view["episodes"]] == [1.0, 0.0, 0.5]  # oldest session first
+    # rewards 1, 0, 0.5: mean 0.5; unbiased std sqrt((0.25 + 0.25 + 0) / 2) = 0.5; A = (R - 0.5) / (0.5 + eps)
+    expected = {"s-var-0": 0.5 / (0.5 + EPS), "s-var-1": -0.5 / (0.5 + EPS), "s-var-2": 0.0}
+    for sid, adv in expected.items():
+        assert [s["advantage"] for s in cards[sid]["steps"]] == pytest.approx([adv] * len(cards[sid]["steps"]))
+    assert view["outcome_mean"] == pytest.approx(0.5) and view["outcome_std"] == pytest.approx(0.5)
+    # one step per turn; the forked session trains two trajectories under drop_superseded (calls 0-1 and
+    # 0-3; call 2 was retried by call 3), so call 0 has a row in each, with its dense reward 0.5
+    assert len(cards["s-var-1"]["steps"]) == 2 and cards["s-var-1"]["trajectories"] == 1
+    fork = cards["s-var-2"]
+    assert fork["trajectories"] == 2 and sorted(s["call"] for s in fork["steps"]) == [0, 0, 1, 3]
+    assert {s["step_reward"] for s in fork["steps"] if s["call"] == 0} == {0.5}
+    assert all(c["left_out"] is None for c in view["episodes"])
+
+
+async def test_a_group_without_variance_is_shown_as_the_trainer_skips_it(group_run):
+    async with dashboard(run_dir=group_run) as client:
+        await settled(client)
+        view = await get_group(client, "g-same")
+    assert view["skip"] == "no_variance"  # the job has dynamic_sampling = true
+    assert [s["advantage"] for c in view["episodes"] for s in c["steps"]] == [0.0, 0.0]
+
+
+async def test_an_open_session_is_left_out_of_its_group(group_run):
+    async with dashboard(run_dir=group_run) as client:
+        await settled(client)
+        view = await get_group(client, "g-open")
+    cards = {c["session_id"]: c for c in view["episodes"]}
+    assert cards["s-open-1"]["left_out"].startswith("still open") and cards["s-open-1"]["steps"] == []
+    # the ended one is a group of one: no baseline, advantage exactly 0
+    assert cards["s-open-0"]["left_out"] is None and [s["advantage"] for s in cards["s-open-0"]["steps"]] == [0.0]
+
+
+def test_rloo_and_a_critic_estimator_on_the_pool_episodes(group_run):
+    pool = open_pool(f"sqlite:///{group_run / 'pool.db'}", read_only=True)
+    try:
+        episodes = [pool.get_episode(s) for s in ("s-var-0", "s-var-1", "s-var-2")]
+    finally:
+        pool.close()
+    cfg, problem = trainer_config({"advantage": "rloo"})
+    assert problem is None
+    view = group_view("g-var", episodes, cfg)
+    # RLOO: R_i - mean of the others: 1 - (0 + 0.5)/2 = 0.75; 0 - (1 + 0.5)/2 = -0.75; 0.5 - (1 + 0)/2 = 0
+    firsts = [c["steps"][0]["advantage"] for c in view["episodes"]]
+    assert firsts == pytest.approx([0.75, -0.75, 0.0])
+    cfg, _ = trainer_config({"advantage": "gae", "critic": True})
+    critic = group_view("g-var", episodes, cfg)
+    assert "critic" in critic["note"] and all(s["advantage"] is None for c in critic["episodes"] for s in c["steps"])
+
+
+def test_a_trainer_table_that_does_not_load_falls_back_to_the_defaults():
+    cfg, problem = trainer_config({"advantage": "no-such-estimator"})
+    assert cfg.advantage == "grpo" and problem and "defaults" in problem
+
+
+async def test_groups_table_and_its_filters(group_run):
+    async with dashboard(run_dir=group_run) as client:
+        await settled(client)
+        body = await (await client.get("/api/groups?limit=500&sort=created&order=asc")).json()
+        rows = {r["group_key"]: r for r in body["rows"]}
+        assert list(rows) == ["g-var", "g-same", "g-open", "t-big::terminal"]
+        assert rows["g-var"]["episodes"] == 3 and rows["g-var"]["reward_mean"] == pytest.approx(0.5)
+        assert (rows["g-open"]["ended"], rows["g-open"]["rewarded"]) == (1, 1)
+        varies = await (await client.get("/api/groups?varies=true")).json()
+        assert [r["group_key"] for r in varies["rows"]] == ["g-var"]
+        ui = await (await client.get("/api/groups?harness=ui&q=SAME")).json()
+        assert [r["group_key"] for r in ui["rows"]] == ["g-same"]
+        # a default key (task::harness, no explicit group id) opens like any other
+        assert (await get_group(client, "t-big::terminal"))["episodes"][0]["session_id"] == "s-big-0"
+
+
+@pytest.mark.parametrize("query", ["limit=0", "limit=x", "offset=-3", "sort=nope", "varies=perhaps", "split=dev",
+                                   "other=1", "limit=2&limit=3"])
+async def test_malformed_group_queries_are_400(group_run, query):
+    async with dashboard(run_dir=group_run) as client:
+        response = await client.get(f"/api/groups?{query}")
+        assert response.status == 400
+        body = await response.json()
+        assert body["error"]["type"] == "InvalidQuery" and query.split("=")[0] in body["error"]["message"]
+
+
+async def test_an_unknown_or_oversized_group_is_4xx(group_run, monkeypatch):
+    import stepline.dashboard.app as app_module
+
+    async with dashboard(run_dir=group_run) as client:
+        await settled(client)
+        missing = await client.get("/api/groups/no-such-group")
+        assert missing.status == 404 and (await missing.json())["error"]["type"] == "UnknownGroup"
+        monkeypatch.setattr(app_module, "MAX_GROUP", 2)
+        big = await client.get("/api/groups/g-var")
+        assert big.status == 400 and "?group=" in (await big.json())["error"]["message"]
+
+
+async def test_a_bare_pool_uses_the_trainer_defaults(group_run):
+    async with dashboard(pool_url=f"sqlite:///{group_run / 'pool.db'}") as client:
+        await settled(client)
+        view = await get_group(client, "g-var")
+    assert view["settings"].startswith("trainer defaults") and view["advantage"] == "grpo"
+    assert json.dumps(view)  # plain JSON all the way down
+
+
+# --- a pool that cannot be read, or is being written: an empty state or a clear status, never a 500 ---
+
+ROUTES = ("/api/info", "/api/run", "/api/sessions", "/api/groups", "/api/sessions/s-fork", "/api/groups/g-var", "/")
+
+
+def half_created(path: Path) -> None:
+    """A database file whose schema is not (all) there yet: one unrelated table."""
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE sessions (x INTEGER)")
+
+
+@pytest.mark.parametrize("make", [lambda p: p.write_bytes(b""), lambda p: p.write_bytes(b"not a database " * 600),
+                                  half_created], ids=["empty", "not-a-database", "half-created"])
+async def test_a_pool_that_cannot_be_read_is_an_empty_state(tmp_path, make):
+    root = tmp_path / "run"
+    root.mkdir()
+    make(root / "pool.db")
+    async with dashboard(run_dir=root) as client:
+        await asyncio.sleep(0.2)  # a few refreshes have tried the pool
+        for path in ROUTES:
+            response = await client.get(path)
+            assert response.status in (200, 404, 503), (path, response.status, await response.text())
+            if path.startswith("/api"):
+                body = await response.json()
+                if response.status == 503:
+                    assert response.headers["Retry-After"] and body["error"]["type"] == "PoolUnavailable"
+                elif response.status == 404:
+                    assert body["error"]["type"] in ("UnknownSession", "UnknownGroup")
+        sessions = await (await client.get("/api/sessions")).json()
+        assert sessions["rows"] == [] and sessions["index"]["error"]
+        assert (await (await client.get("/api/groups")).json())["rows"] == []
+
+
+async def test_a_pool_being_written_reads_as_it_stands(tmp_path, session_writer):
+    """A writer creates sessions, adds their calls and rewards and ends them while requests come in: each
+    answer is a 200 (a 404 only for a session listed before its first call reached the read), and the table
+    ends whole."""
+    import threading
+
+    root = tmp_path / "run"
+    root.mkdir()
+    done = threading.Event()
+
+    def write() -> None:
+        try:
+            session_writer(root / "pool.db", 30, pause_s=0.02)
+        finally:
+            done.set()
+
+    statuses: list[tuple[str, int]] = []
+    seen: list[int] = []  # sessions the table held at each request
+    async with dashboard(run_dir=root) as client:
+        writer = threading.Thread(target=write)
+        writer.start()
+        while not done.is_set():
+            page = await (await client.get("/api/sessions?limit=500")).json()
+            seen.append(page["total"])
+            for path in ["/api/run", "/api/groups", *(f"/api/sessions/{r['session_id']}" for r in page["rows"][-3:]),
+                         *(f"/api/groups/{r['group_key']}" for r in page["rows"][-2:])]:
+                statuses.append((path, (await client.get(path)).status))
+            await asyncio.sleep(0.01)
+        writer.join()
+        body = await settled(client, expect=30)
+    assert any(0 < n < 30 for n in seen), seen  # requests did come while the pool was half written
+    assert all(status in (200, 404) for _, status in statuses), [s for s in statuses if s[1] not in (200, 404)]
+    assert sum(status == 200 for _, status in statuses) > 0.9 * len(statuses)
+    assert body["index"]["error"] is None and body["total"] == 30

@@ -2,7 +2,8 @@
 
 Builds a tiny model, warm-starts it on expert demonstrations, starts the built-in engine and the
 gateway as processes, evaluates, runs two RL updates with rollouts of all three harnesses through the
-gateway, pushes weights, evaluates again — then checks the run directory and the pool.
+gateway, pushes weights, evaluates again — then checks the run directory and the pool. The run is
+tests/e2e/conftest.py's `main_job_run`, made once per test session (the dashboard's browser test reads it too).
 """
 
 from __future__ import annotations
@@ -10,32 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from datapool import open_pool
-from stepline.job import load_job
-from stepline.run import run_job
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_job(ROOT / "examples" / "quickstart.toml", {
-        "run_dir": str(run_dir), "rl_updates": 2,
-        "model.kind": "tiny", "model.hidden_size": 32, "model.num_layers": 1,
-        "sft.demos_per_harness": 2, "sft.trainer": {"epochs": 2, "groups_per_update": 6, "lr": 3e-3,
-                                                    "tensorboard": False},
-        "trainer.groups_per_update": 2, "trainer.minibatches": 1, "trainer.micro_batch_episodes": 4, "trainer.dynamic_sampling": False,
-        "trainer.train_layers": None,
-        "rollout.group_size": 2, "rollout.max_concurrency": 4, "eval.limit": 1,
-    })
-    return run_dir, run_job(cfg)
-
-
-def test_every_part_took_part(finished_run: tuple[Path, dict]) -> None:
-    run_dir, summary = finished_run
+def test_every_part_took_part(main_job_run: tuple[Path, dict]) -> None:
+    run_dir, summary = main_job_run
     # the trainer ran both updates and pushed weights after each; the engine serves the last version
     assert summary["rl_updates"] == 2
     assert (run_dir / "rl" / "weights" / "v000002" / "model.safetensors").is_file()
@@ -67,8 +47,8 @@ def test_every_part_took_part(finished_run: tuple[Path, dict]) -> None:
         pool.close()
 
 
-def test_run_directory_has_every_artifact(finished_run: tuple[Path, dict]) -> None:
-    run_dir, summary = finished_run
+def test_run_directory_has_every_artifact(main_job_run: tuple[Path, dict]) -> None:
+    run_dir, summary = main_job_run
     for name in ("job.json", "summary.json", "progress.png", "pool.db", "eval/before.json", "eval/after-2.json",
                  "rl/metrics.jsonl", "rl/rollouts.json"):
         assert (run_dir / name).is_file(), name

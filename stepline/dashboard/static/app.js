@@ -2,6 +2,8 @@
 //   #/run              charts of the trainer's metrics and the pool's episodes, evaluations
 //   #/episodes?…       the paged, filtered episodes table (paging and filtering happen on the server)
 //   #/episode/<id>     one session's tree of steps, action tokens shaded by logprob
+//   #/groups?…         the paged groups table (one row per task × harness group)
+//   #/group/<key>      one group's episodes side by side with the advantages the trainer would compute
 "use strict";
 
 const view = document.getElementById("view");
@@ -245,7 +247,7 @@ async function showEpisode(sessionId, rule) {
   view.replaceChildren(
     el("h2", {}, `session ${s.session_id}`),
     el("p", {}, `task ${s.task_id} · harness ${s.harness} · `,
-      el("a", { href: "#/episodes?group=" + encodeURIComponent(s.group_key) }, `group ${s.group_key}`),
+      el("a", { href: "#/group/" + encodeURIComponent(s.group_key), id: "group-link" }, `group ${s.group_key}`),
       ` · status ${s.status} · ${ep.calls} calls · ${ep.nodes.length} nodes · ${ep.tokens} unique tokens · outcome ${fmt(ep.outcome)}`),
     el("p", {}, "rewards: " + (rewards || "none"), " · leaf rule ", rules,
       ep.decoded ? "" : el("span", { class: "error" }, " · no tokenizer: tokens shown as ids")),
@@ -261,6 +263,64 @@ async function showEpisode(sessionId, rule) {
   tree.addEventListener("mouseleave", () => { tip.style.display = "none"; });
 }
 
+// ---------- groups ----------
+
+function groupsQuery() { return new URLSearchParams(location.hash.split("?")[1] || ""); }
+
+async function showGroups() {
+  const params = groupsQuery();
+  const page = await api("/api/groups?" + params.toString());
+  const move = (to) => { const next = new URLSearchParams(params); next.set("offset", Math.max(0, to)); location.hash = "#/groups?" + next; };
+  const head = el("tr", {}, ...["group", "task", "harness", "split", "episodes", "ended", "rewarded", "reward mean [min, max]"]
+    .map((h) => el("th", {}, h)));
+  const rows = page.rows.map((g) => el("tr", { class: "row", "data-group": g.group_key,
+    onclick: () => { location.hash = "#/group/" + encodeURIComponent(g.group_key); } },
+    el("td", {}, g.group_key), el("td", {}, g.task_id), el("td", {}, g.harness), el("td", {}, g.split),
+    el("td", {}, g.episodes), el("td", {}, g.ended), el("td", {}, g.rewarded),
+    el("td", {}, g.reward_mean === null ? "–" : `${fmt(g.reward_mean)} [${fmt(g.reward_min)}, ${fmt(g.reward_max)}]`)));
+  const { offset, limit, total } = page;
+  view.replaceChildren(el("div", { class: "pager" },
+    el("button", { onclick: () => move(offset - limit), ...(offset ? {} : { disabled: "" }) }, "← previous"),
+    el("span", {}, `${total ? offset + 1 : 0}–${Math.min(offset + limit, total)} of ${total} groups`),
+    el("button", { onclick: () => move(offset + limit), ...(offset + limit < total ? {} : { disabled: "" }) }, "next →")),
+    el("table", { id: "groups-table" }, head, ...rows));
+}
+
+function advColor(a) {
+  if (a === null || a === undefined) return "transparent";
+  const k = Math.min(1, Math.abs(a) / 2);  // |A| = 2 (two standard deviations under GRPO) is full colour
+  return a >= 0 ? `rgba(40, 160, 60, ${(0.1 + 0.6 * k).toFixed(2)})` : `rgba(220, 40, 40, ${(0.1 + 0.6 * k).toFixed(2)})`;
+}
+
+function groupCard(c) {
+  const steps = el("table", { class: "steps" }, el("tr", {}, el("th", {}, "traj"), el("th", {}, "step"),
+    el("th", {}, "call"), el("th", {}, "step r"), el("th", {}, "advantage")),
+    ...c.steps.map((s) => el("tr", {}, el("td", {}, s.trajectory), el("td", {}, s.position), el("td", {}, s.call),
+      el("td", {}, fmt(s.step_reward)), el("td", { class: "adv", style: `background:${advColor(s.advantage)}` }, fmt(s.advantage)))));
+  const advs = c.steps.map((s) => s.advantage).filter((a) => a !== null);
+  const same = advs.length && advs.every((a) => a === advs[0]);
+  return el("div", { class: "group-card", "data-session": c.session_id },
+    el("a", { href: "#/episode/" + encodeURIComponent(c.session_id) }, c.session_id),
+    el("div", { class: "big", style: `background:${advColor(same ? advs[0] : null)}` },
+      same ? `A = ${fmt(advs[0])}` : advs.length ? `A ∈ [${fmt(Math.min(...advs))}, ${fmt(Math.max(...advs))}]` : "A –"),
+    el("div", {}, `reward ${fmt(c.reward)} · outcome ${fmt(c.outcome)} · ${c.status}`),
+    el("div", { class: "dim" }, `${c.trajectories} ${c.trajectories === 1 ? "trajectory" : "trajectories"} · ${c.tokens} tokens`),
+    c.left_out ? el("div", { class: "error" }, "left out: " + c.left_out) : steps);
+}
+
+async function showGroup(key) {
+  setStatus("computing the group's advantages…");
+  const g = await api("/api/groups/" + encodeURIComponent(key));
+  const args = Object.entries(g.advantage_args).map(([k, v]) => `${k}=${v}`).join(", ");
+  view.replaceChildren(
+    el("h2", {}, `group ${g.group_key}`),
+    el("p", {}, `task ${g.task_id} · harness ${g.harness} · ${g.episodes.length} episodes · outcome mean ${fmt(g.outcome_mean)}` +
+      ` · std ${fmt(g.outcome_std)} · advantage ${g.advantage}${args ? ` (${args})` : ""} · leaf rule ${g.leaf_rule}`),
+    el("p", { class: "dim" }, `settings: ${g.settings}` + (g.note ? ` · ${g.note}` : "")),
+    g.skip ? el("p", { class: "error", id: "group-skip" }, `the trainer skips this group: ${g.skip}`) : "",
+    el("div", { class: "group-cards", id: "group-cards" }, ...g.episodes.map(groupCard)));
+}
+
 // ---------- routing ----------
 
 async function route() {
@@ -268,14 +328,18 @@ async function route() {
   const hash = location.hash || "#/run";
   document.getElementById("nav-run").className = hash.startsWith("#/run") ? "active" : "";
   document.getElementById("nav-episodes").className = hash.startsWith("#/episodes") ? "active" : "";
+  document.getElementById("nav-groups").className = hash.startsWith("#/group") ? "active" : "";
+  const one = hash.startsWith("#/episode/") || hash.startsWith("#/group/");
   try {
     if (hash.startsWith("#/episode/")) { await showEpisode(decodeURIComponent(hash.slice(10).split("?")[0])); setStatus(""); return; }
-    if (hash.startsWith("#/episodes")) await showEpisodes();
+    if (hash.startsWith("#/group/")) { await showGroup(decodeURIComponent(hash.slice(8))); setStatus(""); return; }
+    if (hash.startsWith("#/groups")) await showGroups();
+    else if (hash.startsWith("#/episodes")) await showEpisodes();
     else await showRun();
     setStatus("live · updated " + new Date().toLocaleTimeString());
   } catch (err) {
     setStatus(String(err.message || err), true);
-    if (hash.startsWith("#/episode/")) view.replaceChildren(el("p", { class: "error" }, String(err.message || err)));
+    if (one) view.replaceChildren(el("p", { class: "error" }, String(err.message || err)));  // polled again: a 503 passes
   }
   timer = setTimeout(route, info.poll_s * 1000);  // live: the run's files and the pool, polled
 }
