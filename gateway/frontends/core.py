@@ -184,9 +184,9 @@ class Core:
                           f"{self.context_length}", param="messages", code="context_length_exceeded")
         return min(requested or self.settings.default_max_tokens, room)
 
-    def parser(self, tools_enabled: bool, tools: ToolSpecs) -> StreamParser:
+    def parser(self, tools_enabled: bool, tools: ToolSpecs, incremental: bool = False) -> StreamParser:
         p = self.profile
-        return make_parser(p.tool_parser, p.reasoning_parser, tools_enabled, tools, p.reasoning_forced)
+        return make_parser(p.tool_parser, p.reasoning_parser, tools_enabled, tools, p.reasoning_forced, incremental)
 
     def check_tools(self, tools: list[dict] | None) -> None:
         """400 when the request offers tools that the template would silently drop."""

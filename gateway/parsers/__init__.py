@@ -66,11 +66,12 @@ def check_names(tool_parser: str, reasoning_parser: str) -> None:
 
 
 def make_parser(tool_parser: str, reasoning_parser: str, tools_enabled: bool, tools: ToolSpecs,
-                in_reasoning: bool = False) -> StreamParser:
+                in_reasoning: bool = False, incremental: bool = False) -> StreamParser:
     """A fresh parser for one answer. `tools`: the offered tools (name -> parameters schema; None: any
-    name); `in_reasoning`: the prompt already opened the reasoning block."""
+    name); `in_reasoning`: the prompt already opened the reasoning block; `incremental`: stream each
+    call's name and arguments while it is written (`tool_open` / `tool_args` events)."""
     check_names(tool_parser, reasoning_parser)
-    stage = ToolStage(TOOL_PARSERS[tool_parser], tools, tools_enabled)
+    stage = ToolStage(TOOL_PARSERS[tool_parser], tools, tools_enabled, incremental)
     return OutputParser(REASONING_PARSERS[reasoning_parser], stage, in_reasoning)
 
 
