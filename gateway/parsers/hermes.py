@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-
 import re
 
 from gateway.parsers.base import ToolCall, ToolFormat, ToolSpecs, call_arguments, call_name, json_calls, load_json

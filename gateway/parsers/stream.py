@@ -9,7 +9,8 @@ cannot parse (malformed, an unknown tool, never closed) comes back as text, neve
 Streamed (`incremental=True`), a format with a scanner also tells each call while its region is still
 being written (`tool_open`, then `tool_args` fragments); when the region ends, the whole parse settles
 it: the calls it finds must extend what was streamed (same names, arguments that start with the
-fragments sent), and the rest of their arguments follows. A region that fails after a call was
+fragments sent), and the rest of their arguments follows. A call ends (`tool_call`) before the next
+one of its region opens, so clients that take one block at a time (Anthropic, Responses) can. A region that fails after a call was
 opened cannot be taken back from the client: its opened calls end with the arguments streamed so far
 (as OpenAI's own streams end a call cut by max_tokens), and its remaining text is not shown (the record
 keeps the exact ids). A whole answer gives such a region back as text.
@@ -39,6 +40,7 @@ class _Opened:
     head: ToolCall
     own_id: bool  # the format names its calls (then the whole parse must give the same id)
     sent: str = ""
+    closed: bool = False  # ended when the next call of its region opened (its arguments were complete)
 
 
 class ToolStage:
@@ -121,6 +123,10 @@ class ToolStage:
     def _pieces(self, out: list[Event], pieces: list[Piece]) -> None:
         for piece in pieces:
             if piece.name is not None:
+                if self.opened and not self.opened[-1].closed:  # a client takes one call at a time
+                    last = self.opened[-1]
+                    last.closed = True
+                    out.append(Event("tool_call", tool_call=ToolCall(last.head.name, last.sent, last.head.id)))
                 head = ToolCall(name=piece.name, arguments="")
                 if piece.ident is not None:
                     head.id = piece.ident
@@ -136,16 +142,20 @@ class ToolStage:
         opened, self.opened, self.scanner, self.region = self.opened, [], None, None
         gap = self._gap()
         if opened and not _extends(calls, opened):
-            out.extend(Event("tool_call", tool_call=ToolCall(o.head.name, o.sent, o.head.id)) for o in opened)
+            out.extend(Event("tool_call", tool_call=ToolCall(o.head.name, o.sent, o.head.id)) for o in opened if not o.closed)
             return
         if calls is None:
             self._content(out, gap + text)
             return
-        for call, o in zip(calls, opened):
-            if rest := call.arguments[len(o.sent):]:
-                out.append(Event("tool_args", rest, o.head))
-            call.id = o.head.id
-        out.extend(Event("tool_call", tool_call=c) for c in calls)
+        for k, call in enumerate(calls):
+            if k < len(opened):
+                o = opened[k]
+                if o.closed:
+                    continue  # already out, with exactly these arguments
+                if rest := call.arguments[len(o.sent):]:
+                    out.append(Event("tool_args", rest, o.head))
+                call.id = o.head.id
+            out.append(Event("tool_call", tool_call=call))
 
     def _gap(self) -> str:
         gap, self.gap = self.gap, ""
@@ -160,7 +170,8 @@ class ToolStage:
 def _extends(calls: list[ToolCall] | None, opened: list[_Opened]) -> bool:
     """Whether the whole parse's calls continue the ones already streamed."""
     return calls is not None and len(calls) >= len(opened) and all(
-        c.name == o.head.name and c.arguments.startswith(o.sent) and (c.id == o.head.id or not o.own_id)
+        c.name == o.head.name and (c.arguments == o.sent if o.closed else c.arguments.startswith(o.sent))
+        and (c.id == o.head.id or not o.own_id)
         for c, o in zip(calls, opened))
 
 
