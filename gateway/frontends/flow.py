@@ -85,7 +85,7 @@ def build_prompt(core: Core, session: Session, call: ChatCall) -> tuple[Prompt, 
     try:
         prompt = session.tokens.prompt_for(call.messages, call.tools, call.template_options)
     except TemplateError as exc:
-        raise invalid(str(exc), param="messages") from None
+        raise invalid(str(exc) + core.tool_history_hint(call.messages), param="messages") from None
     budget = core.max_new_tokens(len(prompt.ids), call.max_tokens)
     base = replace(call.sampling, max_new_tokens=budget,
                    stop_token_ids=sorted({*call.sampling.stop_token_ids, *core.template.stop_token_ids}))
