@@ -85,6 +85,8 @@ class ToolFormat:
     bare_starts: tuple[str, ...] = ()  # characters that open a region (to the end) when they begin the answer
     render: Callable[[list[dict]], str] | None = None  # OpenAI tool_calls -> the text the model writes
     scanner: Callable[[ToolSpecs], Scanner] | None = None  # streams calls as written (None: each call whole)
+    # a format that owns the whole answer, reasoning included (harmony): (tools, tools_enabled, incremental) -> parser
+    answer_parser: Callable[[ToolSpecs, bool, bool], StreamParser] | None = None
 
 
 def collect(events: list[Event]) -> ParsedOutput:

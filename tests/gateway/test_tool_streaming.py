@@ -223,7 +223,8 @@ async def messages_both(client: anthropic.AsyncAnthropic) -> tuple[list[tuple], 
         streamed = await s.get_final_message()
 
     def calls(m: Any) -> list[tuple]:
-        return [(b.type, b.text) if b.type == "text" else (b.type, b.name, b.input) for b in m.content] + [(m.stop_reason,)]
+        blocks = {"text": lambda b: (b.text,), "thinking": lambda b: (b.thinking,), "tool_use": lambda b: (b.name, b.input)}
+        return [(b.type, *blocks[b.type](b)) for b in m.content] + [(m.stop_reason,)]
     return calls(whole), calls(streamed), fragments
 
 
