@@ -300,10 +300,11 @@ class XmlCalls:
                 self.at = max(self.at, end)
             return False
         raw = body[self.at:close]
-        if text:
-            if g.trim_newlines and raw.endswith("\n") and (self.value_started or raw != "\n"):
-                raw = raw[:-1]
-            self._stream(raw, pieces)
+        if text and not self.value_started:  # the whole value at once
+            value = raw.removeprefix("\n").removesuffix("\n") if g.trim_newlines else raw
+            add_text(pieces, 0, json.dumps(value, ensure_ascii=False))
+        elif text:  # the rest: its leading newline is gone already, the trailing one was held back
+            self._stream(raw[:-1] if g.trim_newlines and raw.endswith("\n") else raw, pieces)
             add_text(pieces, 0, '"')
         else:
             value = raw.removeprefix("\n").removesuffix("\n") if g.trim_newlines else raw

@@ -129,7 +129,8 @@ def test_a_number_is_held_until_it_ends() -> None:
 
 
 def test_xml_values_trim_one_newline_at_each_end_as_the_whole_parse_does() -> None:
-    for value, expected in (("\nParis\n", "Paris"), ("\n\nParis\n\n", "\nParis\n"), ("\n", ""), ("Par\nis", "Par\nis")):
+    for value, expected in (("\nParis\n", "Paris"), ("\n\nParis\n\n", "\nParis\n"), ("\n", ""), ("", ""),
+                            ("Par\nis", "Par\nis")):
         text = f"<tool_call>\n<function=get_weather>\n<parameter=city>{value}</parameter>\n</function>\n</tool_call>"
         events = feed("qwen3_coder", text, list(range(len(text))))
         (call,) = collect(events).tool_calls
