@@ -30,12 +30,12 @@ _PROBE_TOOL = {"type": "function", "function": {
 _PROBE_CALL = {"id": "call_probe", "type": "function",
                "function": {"name": "stepline_probe", "arguments": '{"q": "probe"}'}}
 # formats tried on the template's own rendering of a call, most specific first
-_CANDIDATES = ("qwen3_coder", "glm45", "kimi_k2", "deepseekv31", "deepseekv3", "hermes", "mistral", "llama3",
+_CANDIDATES = ("gpt-oss", "qwen3_coder", "glm45", "kimi_k2", "deepseekv31", "deepseekv3", "hermes", "mistral", "llama3",
                "pythonic")
 _BY_MODEL_TYPE = {"llama": "llama3", "llama4": "pythonic", "gemma": "pythonic", "gemma2": "pythonic",
                   "gemma3": "pythonic", "gemma3_text": "pythonic", "mistral": "mistral", "mixtral": "mistral",
-                  "deepseek_v3": "deepseekv3", "kimi_k2": "kimi_k2", "glm4_moe": "glm45"}
-_REASONING_MARKERS = (("◁think▷", "kimi"), ("[THINK]", "mistral"), ("<think>", "qwen3"), ("</think>", "qwen3"))
+                  "deepseek_v3": "deepseekv3", "kimi_k2": "kimi_k2", "glm4_moe": "glm45", "gpt_oss": "gpt-oss"}
+_REASONING_MARKERS = (("<|channel|>", "gpt-oss"), ("◁think▷", "kimi"), ("[THINK]", "mistral"), ("<think>", "qwen3"), ("</think>", "qwen3"))
 
 
 @dataclass(frozen=True)

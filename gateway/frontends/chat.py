@@ -204,7 +204,8 @@ class ChatEmitter:
         self.logprobs = logprobs
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
-        self._tool_index: dict[int, int] = {}
+        self._tool_index: dict[int, int] = {}  # choice -> tool calls it has started
+        self._streamed: dict[tuple[int, str], int] = {}  # (choice, call id) -> tool-call index, of calls streamed in pieces
 
     def _logprobs(self, ids: list[int], lps: list[float]) -> dict | None:
         if not self.logprobs:
@@ -266,8 +267,7 @@ class ChatEmitter:
                 if event.text:
                     pieces.append({"reasoning_content": event.text})
             elif event.tool_call is not None:
-                pieces.append({"tool_calls": [tool_call_json(event.tool_call, self._tool_index[index])]})
-                self._tool_index[index] += 1
+                pieces += self._tool_piece(index, event)
         logprobs = self._logprobs(delta.output_ids, delta.logprobs)
         if logprobs is not None and not pieces:
             pieces.append({})
@@ -275,6 +275,22 @@ class ChatEmitter:
             out += self._chunk([{"index": index, "delta": piece, "logprobs": logprobs if k == 0 else None,
                                  "finish_reason": None}])
         return out
+
+    def _tool_piece(self, index: int, event: Event) -> list[dict[str, Any]]:
+        """A call's first delta carries its index, id, type and name; later ones argument fragments
+        (the client joins them by index). A call that was not streamed in pieces goes out whole."""
+        call = event.tool_call
+        assert call is not None
+        key = (index, call.id)
+        if event.kind == "tool_args":
+            return [{"tool_calls": [{"index": self._streamed[key], "function": {"arguments": event.text}}]}]
+        if event.kind == "tool_call" and key in self._streamed:
+            return []  # its fragments are all out
+        at = self._tool_index[index]
+        self._tool_index[index] += 1
+        if event.kind == "tool_open":
+            self._streamed[key] = at
+        return [{"tool_calls": [tool_call_json(call, at)]}]
 
     def finish(self, index: int, final: Generation, parsed: ParsedOutput) -> bytes:
         return self._chunk([{"index": index, "delta": {}, "logprobs": None,

@@ -35,7 +35,7 @@ from gateway.parsers.base import StreamParser, ToolSpecs
 from gateway.profile import ModelProfile
 from gateway.recorder import Recorder
 from gateway.sessions import Session, SessionStore
-from gateway.templating import ChatTemplate
+from gateway.templating import ChatTemplate, Message
 from gateway.weights import Paused, WeightGate
 
 M = TypeVar("M", bound=BaseModel)
@@ -184,9 +184,9 @@ class Core:
                           f"{self.context_length}", param="messages", code="context_length_exceeded")
         return min(requested or self.settings.default_max_tokens, room)
 
-    def parser(self, tools_enabled: bool, tools: ToolSpecs) -> StreamParser:
+    def parser(self, tools_enabled: bool, tools: ToolSpecs, incremental: bool = False) -> StreamParser:
         p = self.profile
-        return make_parser(p.tool_parser, p.reasoning_parser, tools_enabled, tools, p.reasoning_forced)
+        return make_parser(p.tool_parser, p.reasoning_parser, tools_enabled, tools, p.reasoning_forced, incremental)
 
     def check_tools(self, tools: list[dict] | None) -> None:
         """400 when the request offers tools that the template would silently drop."""
@@ -195,6 +195,17 @@ class Core:
                           "dropped; start the gateway with --inject-tools to render them into the system message "
                           f"in the {self.profile.tool_parser} tool-call format", param="tools",
                           code="tools_unsupported")
+
+    def tool_history_hint(self, messages: list[Message]) -> str:
+        """What to add to a template's error when the conversation holds tool calls or results that a
+        template without tools support cannot take (Gemma 3: roles must alternate)."""
+        if self.profile.tools_supported or self.template.inject is not None:
+            return ""
+        if not any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+            return ""
+        return ("; this chat template has no tools support, so it cannot take tool calls or results: start the "
+                "gateway with --inject-tools to send them to the model as text in the "
+                f"{self.profile.tool_parser} tool-call format")
 
     # --- dispatch ---
     async def generate(self, session: Session, prompt_ids: np.ndarray,

@@ -85,7 +85,7 @@ def build_prompt(core: Core, session: Session, call: ChatCall) -> tuple[Prompt, 
     try:
         prompt = session.tokens.prompt_for(call.messages, call.tools, call.template_options)
     except TemplateError as exc:
-        raise invalid(str(exc), param="messages") from None
+        raise invalid(str(exc) + core.tool_history_hint(call.messages), param="messages") from None
     budget = core.max_new_tokens(len(prompt.ids), call.max_tokens)
     base = replace(call.sampling, max_new_tokens=budget,
                    stop_token_ids=sorted({*call.sampling.stop_token_ids, *core.template.stop_token_ids}))
@@ -100,9 +100,9 @@ def choice_seed(seed: int, index: int) -> int:
     return (seed + index) % 2**63
 
 
-def _parser(core: Core, call: ChatCall) -> StreamParser:
+def _parser(core: Core, call: ChatCall, incremental: bool = False) -> StreamParser:
     specs = {t["function"]["name"]: t["function"].get("parameters") or {} for t in call.tools or []}
-    return core.parser(call.tools_enabled and bool(specs), specs)
+    return core.parser(call.tools_enabled and bool(specs), specs, incremental)
 
 
 async def run(core: Core, session: Session, call: ChatCall, raw: bytes, emitter: Emitter) -> dict:
@@ -130,7 +130,7 @@ async def stream(core: Core, request: web.Request, session: Session, call: ChatC
     timings["dispatched"] = now()
     upstream = await core.open_stream(session, prompt.ids, samplings)
     response = web.StreamResponse(headers=SSE_HEADERS)
-    parsers = [_parser(core, call) for _ in samplings]
+    parsers = [_parser(core, call, incremental=True) for _ in samplings]  # calls stream as they are written
     progress = [Progress() for _ in samplings]
     try:
         await response.prepare(request)

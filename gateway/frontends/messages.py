@@ -21,7 +21,7 @@ from gateway.frontends import flow
 from gateway.frontends.chat import sampling_of
 from gateway.frontends.core import Core
 from gateway.frontends.errors import ApiError, error_body, invalid
-from gateway.parsers.base import Event, ParsedOutput, ToolCall
+from gateway.parsers.base import Event, ParsedOutput, ToolCall, load_json
 from gateway.templating import Message, TemplateError
 from gateway.tito import Prompt
 
@@ -167,7 +167,8 @@ def stop_reason(gen: Generation, parsed: ParsedOutput) -> tuple[str, str | None]
 
 
 def _tool_block(call: ToolCall) -> dict:
-    return {"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)}
+    args = load_json(call.arguments)  # not an object only for a call a stream had to end as it stood
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": args if isinstance(args, dict) else {}}
 
 
 def _sse(kind: str, body: dict) -> bytes:
@@ -220,12 +221,8 @@ class MessagesEmitter:
     def events(self, index: int, events: list[Event], delta: StreamDelta) -> bytes:
         out = b""
         for event in events:
-            if event.kind == "tool_call" and event.tool_call is not None:
-                block = _tool_block(event.tool_call)
-                out += self._open("tool_call", {**block, "input": {}})
-                out += _sse("content_block_delta", {"index": self.block, "delta": {
-                    "type": "input_json_delta", "partial_json": event.tool_call.arguments}})
-                out += self._close()
+            if event.kind in ("tool_open", "tool_args", "tool_call") and event.tool_call is not None:
+                out += self._tool(event)
             elif event.kind == "reasoning" and not event.text:
                 continue  # an empty reasoning block gets no item/block, as in the whole answer
             elif event.kind == "reasoning":
@@ -238,6 +235,22 @@ class MessagesEmitter:
                 if self.open_kind != "content":
                     out += self._open("content", {"type": "text", "text": ""})
                 out += _sse("content_block_delta", {"index": self.block, "delta": {"type": "text_delta", "text": event.text}})
+        return out
+
+    def _tool(self, event: Event) -> bytes:
+        """A tool_use block: opened with an empty input, its arguments as input_json_delta fragments."""
+        call = event.tool_call
+        assert call is not None
+        streamed = self.open_kind == "tool:" + call.id
+        if event.kind == "tool_args":
+            return _sse("content_block_delta", {"index": self.block,
+                                                "delta": {"type": "input_json_delta", "partial_json": event.text}})
+        if event.kind == "tool_call" and streamed:
+            return self._close()
+        out = self._open("tool:" + call.id, {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        if event.kind == "tool_call":
+            out += _sse("content_block_delta", {"index": self.block, "delta": {
+                "type": "input_json_delta", "partial_json": call.arguments}}) + self._close()
         return out
 
     def finish(self, index: int, final: Generation, parsed: ParsedOutput) -> bytes:

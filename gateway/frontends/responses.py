@@ -272,17 +272,8 @@ class ResponsesEmitter:
     def events(self, index: int, events: list[Event], delta: StreamDelta) -> bytes:
         out = b""
         for event in events:
-            if event.kind == "tool_call" and event.tool_call is not None:
-                c = event.tool_call
-                out += self._open("call", _call_item(c.id, c.name, "", "in_progress"))
-                item_id = _call_item(c.id, c.name, "", "")["id"]
-                out += self._event("response.function_call_arguments.delta",
-                                   {"item_id": item_id, "output_index": self.index, "delta": c.arguments})
-                out += self._event("response.function_call_arguments.done",
-                                   {"item_id": item_id, "output_index": self.index, "arguments": c.arguments, "name": c.name})
-                out += self._event("response.output_item.done",
-                                   {"output_index": self.index, "item": _call_item(c.id, c.name, c.arguments, "completed")})
-                self.open_kind = None
+            if event.kind in ("tool_open", "tool_args", "tool_call") and event.tool_call is not None:
+                out += self._tool(event)
             elif event.kind == "reasoning" and not event.text:
                 continue  # an empty reasoning block gets no item/block, as in the whole answer
             elif event.kind == "reasoning":
@@ -300,6 +291,30 @@ class ResponsesEmitter:
                 out += self._event("response.output_text.delta", {"item_id": self.ids["message"],
                                                                   "output_index": self.index, "content_index": 0,
                                                                   "delta": event.text, "logprobs": []})
+        return out
+
+    def _tool(self, event: Event) -> bytes:
+        """A function_call item: added with empty arguments, then function_call_arguments.delta fragments,
+        then .done with the whole arguments."""
+        c = event.tool_call
+        assert c is not None
+        item_id = _call_item(c.id, c.name, "", "")["id"]
+        out = b""
+        if self.open_kind != "call:" + c.id:
+            out += self._open("call:" + c.id, _call_item(c.id, c.name, "", "in_progress"))
+        if event.kind == "tool_call" and self.text != c.arguments:  # a call not streamed: all its arguments at once
+            out += self._event("response.function_call_arguments.delta",
+                               {"item_id": item_id, "output_index": self.index, "delta": c.arguments})
+        elif event.kind == "tool_args":
+            self.text += event.text
+            out += self._event("response.function_call_arguments.delta",
+                               {"item_id": item_id, "output_index": self.index, "delta": event.text})
+        if event.kind == "tool_call":
+            out += self._event("response.function_call_arguments.done",
+                               {"item_id": item_id, "output_index": self.index, "arguments": c.arguments, "name": c.name})
+            out += self._event("response.output_item.done",
+                               {"output_index": self.index, "item": _call_item(c.id, c.name, c.arguments, "completed")})
+            self.open_kind = None
         return out
 
     def finish(self, index: int, final: Generation, parsed: ParsedOutput) -> bytes:

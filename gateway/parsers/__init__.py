@@ -13,7 +13,7 @@ a module with a `ToolFormat` and add a row.
 
 from __future__ import annotations
 
-from gateway.parsers import deepseek, glm45, hermes, kimi_k2, llama3, mistral, pythonic, qwen3_coder
+from gateway.parsers import deepseek, glm45, harmony, hermes, kimi_k2, llama3, mistral, pythonic, qwen3_coder
 from gateway.parsers.base import Event, ParsedOutput, StreamParser, ToolCall, ToolFormat, ToolSpecs, collect
 from gateway.parsers.stream import OutputParser, ReasoningFormat, ToolStage
 
@@ -36,6 +36,8 @@ TOOL_PARSERS: dict[str, ToolFormat | None] = {
     "glm": glm45.FORMAT,
     "glm45": glm45.FORMAT,
     "glm47": glm45.FORMAT,
+    "gpt-oss": harmony.FORMAT,  # harmony: reasoning and calls are one format (the reasoning parser is not used)
+    "openai": harmony.FORMAT,
     "none": None,
 }
 
@@ -50,6 +52,8 @@ REASONING_PARSERS: dict[str, ReasoningFormat | None] = {
     "kimi": ReasoningFormat("◁think▷", "◁/think▷"),
     "step3": ReasoningFormat(*_THINK, forced=True),
     "mistral": ReasoningFormat("[THINK]", "[/THINK]"),
+    "gpt-oss": ReasoningFormat("<|channel|>analysis<|message|>", "<|end|>"),  # for a non-harmony tool parser
+    "openai_gptoss": ReasoningFormat("<|channel|>analysis<|message|>", "<|end|>"),
     "none": None,
 }
 
@@ -66,11 +70,15 @@ def check_names(tool_parser: str, reasoning_parser: str) -> None:
 
 
 def make_parser(tool_parser: str, reasoning_parser: str, tools_enabled: bool, tools: ToolSpecs,
-                in_reasoning: bool = False) -> StreamParser:
+                in_reasoning: bool = False, incremental: bool = False) -> StreamParser:
     """A fresh parser for one answer. `tools`: the offered tools (name -> parameters schema; None: any
-    name); `in_reasoning`: the prompt already opened the reasoning block."""
+    name); `in_reasoning`: the prompt already opened the reasoning block; `incremental`: stream each
+    call's name and arguments while it is written (`tool_open` / `tool_args` events)."""
     check_names(tool_parser, reasoning_parser)
-    stage = ToolStage(TOOL_PARSERS[tool_parser], tools, tools_enabled)
+    fmt = TOOL_PARSERS[tool_parser]
+    if fmt is not None and fmt.answer_parser is not None:
+        return fmt.answer_parser(tools, tools_enabled, incremental)
+    stage = ToolStage(fmt, tools, tools_enabled, incremental)
     return OutputParser(REASONING_PARSERS[reasoning_parser], stage, in_reasoning)
 
 

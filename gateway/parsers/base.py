@@ -5,7 +5,8 @@ A family's tool-call format is a `ToolFormat`: which markers open a call region 
 closes each; None: the region runs to the end of the answer), which characters open one when they
 begin the answer (Llama's bare `{...}`, pythonic `[f(a=1)]`), and a pure `parse(body, tools)` that
 turns one region into tool calls or None (then the region stays text). `gateway.parsers.stream` runs
-any format incrementally.
+any format incrementally; a format with a `scanner` (`gateway.parsers.incremental`) also streams each
+call's name and arguments while the region is still being written.
 """
 
 from __future__ import annotations
@@ -31,11 +32,32 @@ class ToolCall:
 
 @dataclass
 class Event:
-    """One piece of a parsed stream: reasoning text, answer text, or a whole tool call."""
+    """One piece of a parsed stream: reasoning text, answer text, or a tool call. A call comes whole
+    (`tool_call`), or, streamed, as `tool_open` (its id and name; arguments "") and `tool_args` (the
+    next fragment of its arguments in `text`; `tool_call` names the opened call) before that same
+    `tool_call` (same id), whose arguments are then exactly the fragments joined."""
 
-    kind: Literal["reasoning", "content", "tool_call"]
+    kind: Literal["reasoning", "content", "tool_open", "tool_args", "tool_call"]
     text: str = ""
     tool_call: ToolCall | None = None
+
+
+@dataclass
+class Piece:
+    """What a scanner can already tell about a region being written: a call opened (`name` set), or
+    the next fragment of its arguments (`text`)."""
+
+    index: int  # the call's place in its region
+    text: str = ""
+    name: str | None = None
+    ident: str | None = None  # the format's own call id (Kimi's `functions.f:0`), else a new one
+
+
+class Scanner(Protocol):
+    """Reads one call region as it grows: `scan(body)` gets the region's text so far (each time a
+    longer string with the same start) and returns what it tells beyond the previous scans."""
+
+    def scan(self, body: str) -> list[Piece]: ...
 
 
 @dataclass
@@ -46,8 +68,9 @@ class ParsedOutput:
 
 
 class StreamParser(Protocol):
-    """Incremental parser: `feed` text deltas as they arrive, then `finish` once. Feeding the whole
-    text in one piece gives the same events as any split of it."""
+    """Incremental parser: `feed` text deltas as they arrive, then `finish` once. Any split of a text
+    folds (`collect`) into the same answer as the whole text in one piece (a streaming parser's extra
+    `tool_open`/`tool_args` events add up to its calls)."""
 
     def feed(self, text: str) -> list[Event]: ...
     def finish(self) -> list[Event]: ...
@@ -61,6 +84,9 @@ class ToolFormat:
     parse: Callable[[str, ToolSpecs], list[ToolCall] | None]  # one region's body -> calls, None: not calls
     bare_starts: tuple[str, ...] = ()  # characters that open a region (to the end) when they begin the answer
     render: Callable[[list[dict]], str] | None = None  # OpenAI tool_calls -> the text the model writes
+    scanner: Callable[[ToolSpecs], Scanner] | None = None  # streams calls as written (None: each call whole)
+    # a format that owns the whole answer, reasoning included (harmony): (tools, tools_enabled, incremental) -> parser
+    answer_parser: Callable[[ToolSpecs, bool, bool], StreamParser] | None = None
 
 
 def collect(events: list[Event]) -> ParsedOutput:
@@ -102,12 +128,17 @@ def load_json(text: str) -> Any:
         return None
 
 
+def is_text_param(name: str, param: str, tools: ToolSpecs) -> bool:
+    """Whether an XML-style argument's value stays text: its schema declares a string, or no type."""
+    schema = (tools or {}).get(name, {}).get("properties", {}).get(param, {})
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind in (None, "string") or (isinstance(kind, list) and "string" in kind)
+
+
 def typed_value(raw: str, name: str, param: str, tools: ToolSpecs) -> Any:
     """An XML-style argument's value typed by the tool's schema: strings stay text, other declared types
     (number, boolean, object, array) are read as JSON (kept as text when that fails)."""
-    schema = (tools or {}).get(name, {}).get("properties", {}).get(param, {})
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
+    if is_text_param(name, param, tools):
         return raw
     value = load_json(raw)
     return raw if value is None and raw.strip() != "null" else value

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from gateway.parsers.base import ToolCall, ToolFormat, ToolSpecs, make_call
+from gateway.parsers.incremental import JsonCalls, JsonGrammar
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -54,5 +55,9 @@ def parse_v31(body: str, tools: ToolSpecs) -> list[ToolCall] | None:
     return out
 
 
-V3 = ToolFormat(opens={CALLS_BEGIN: CALLS_END}, parse=parse_v3)
-V31 = ToolFormat(opens={CALLS_BEGIN: CALLS_END}, parse=parse_v31)
+_V3_HEAD = r"\s*" + CALL_BEGIN + r"function" + SEP + r"(?P<name>[^\n]+)\n```(?:json)?\n\s*(?=\{)"
+_V31_HEAD = r"\s*" + CALL_BEGIN + r"(?P<name>[^<]+?)" + SEP + r"\s*(?=\{)"
+V3_GRAMMAR = JsonGrammar(first=(re.compile(_V3_HEAD),), later=(re.compile(r"\s*```\s*" + CALL_END + _V3_HEAD),))
+V31_GRAMMAR = JsonGrammar(first=(re.compile(_V31_HEAD),), later=(re.compile(r"\s*" + CALL_END + _V31_HEAD),))
+V3 = ToolFormat(opens={CALLS_BEGIN: CALLS_END}, parse=parse_v3, scanner=lambda tools: JsonCalls(V3_GRAMMAR, tools))
+V31 = ToolFormat(opens={CALLS_BEGIN: CALLS_END}, parse=parse_v31, scanner=lambda tools: JsonCalls(V31_GRAMMAR, tools))

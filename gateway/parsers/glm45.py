@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 from gateway.parsers.base import ToolCall, ToolFormat, ToolSpecs, make_call, typed_value
+from gateway.parsers.incremental import XmlCalls, XmlGrammar
 
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
@@ -29,4 +30,7 @@ def parse(body: str, tools: ToolSpecs) -> list[ToolCall] | None:
     return None if call is None else [call]
 
 
-FORMAT = ToolFormat(opens={"<tool_call>": "</tool_call>"}, parse=parse)
+GRAMMAR = XmlGrammar(head=re.compile(r"\s*(?P<name>[^<\n]+?)\s*(?=<arg_key>)"),
+                     param=re.compile(r"\s*<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>", re.DOTALL),
+                     value_close="</arg_value>", trim_newlines=False)
+FORMAT = ToolFormat(opens={"<tool_call>": "</tool_call>"}, parse=parse, scanner=lambda tools: XmlCalls(GRAMMAR, tools))

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import re
 
 from gateway.parsers.base import ToolCall, ToolFormat, ToolSpecs, call_arguments, call_name, json_calls, load_json
+from gateway.parsers.incremental import JSON_HEAD, JsonCalls, JsonGrammar
 
 
 def parse(body: str, tools: ToolSpecs) -> list[ToolCall] | None:
@@ -17,4 +19,6 @@ def render(calls: list[dict]) -> str:
                      % (json.dumps(call_name(c)), json.dumps(call_arguments(c), ensure_ascii=False)) for c in calls)
 
 
-FORMAT = ToolFormat(opens={"<tool_call>": "</tool_call>"}, parse=parse, render=render)
+GRAMMAR = JsonGrammar(first=(re.compile(r"\s*" + JSON_HEAD),))  # one call per block
+FORMAT = ToolFormat(opens={"<tool_call>": "</tool_call>"}, parse=parse, render=render,
+                    scanner=lambda tools: JsonCalls(GRAMMAR, tools))

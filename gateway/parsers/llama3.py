@@ -10,9 +10,11 @@ built-in code interpreter) stays text.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from gateway.parsers.base import ToolCall, ToolFormat, ToolSpecs, call_arguments, call_name, json_calls
+from gateway.parsers.incremental import JSON_HEAD, JsonCalls, JsonGrammar
 
 _DECODER = json.JSONDecoder()
 
@@ -36,4 +38,6 @@ def render(calls: list[dict]) -> str:
                      for c in calls)
 
 
-FORMAT = ToolFormat(opens={"<|python_tag|>": None}, parse=parse, bare_starts=("{",), render=render)
+GRAMMAR = JsonGrammar(first=(re.compile(r"\s*" + JSON_HEAD),), later=(re.compile(r"\s*\}[\s;]*" + JSON_HEAD),))
+FORMAT = ToolFormat(opens={"<|python_tag|>": None}, parse=parse, bare_starts=("{",), render=render,
+                    scanner=lambda tools: JsonCalls(GRAMMAR, tools))

@@ -8,6 +8,7 @@ generations:
 from __future__ import annotations
 
 import json
+import re
 
 from gateway.parsers.base import (
     ToolCall,
@@ -19,6 +20,7 @@ from gateway.parsers.base import (
     load_json,
     make_call,
 )
+from gateway.parsers.incremental import JSON_HEAD, JsonCalls, JsonGrammar
 
 OPEN = "[TOOL_CALLS]"
 
@@ -42,4 +44,7 @@ def render(calls: list[dict]) -> str:
     return OPEN + json.dumps([{"name": call_name(c), "arguments": call_arguments(c)} for c in calls], ensure_ascii=False)
 
 
-FORMAT = ToolFormat(opens={OPEN: None}, parse=parse, render=render)
+_V11_HEAD = r"(?P<name>[^\[\]{}\s]+)\s*(?:\[CALL_ID\][^\[]*)?\[ARGS\]\s*(?=\{)"
+GRAMMAR = JsonGrammar(first=(re.compile(r"\s*\[?\s*" + JSON_HEAD), re.compile(r"\s*" + _V11_HEAD)),
+                      later=(re.compile(r"\s*\}\s*,\s*" + JSON_HEAD), re.compile(re.escape(OPEN) + r"\s*" + _V11_HEAD)))
+FORMAT = ToolFormat(opens={OPEN: None}, parse=parse, render=render, scanner=lambda tools: JsonCalls(GRAMMAR, tools))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 from gateway.parsers.base import ToolCall, ToolFormat, ToolSpecs, make_call, typed_value
+from gateway.parsers.incremental import XmlCalls, XmlGrammar
 
 _FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*)</function>\s*$", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -39,4 +40,6 @@ def parse(body: str, tools: ToolSpecs) -> list[ToolCall] | None:
     return None if call is None else [call]
 
 
-FORMAT = ToolFormat(opens={"<tool_call>": "</tool_call>"}, parse=parse)
+GRAMMAR = XmlGrammar(head=re.compile(r"\s*<function=(?P<name>[^>\n]+)>"), param=re.compile(r"\s*<parameter=(?P<key>[^>\n]+)>"),
+                     value_close="</parameter>", trim_newlines=True, end=re.compile(r"\s*</function>"))
+FORMAT = ToolFormat(opens={"<tool_call>": "</tool_call>"}, parse=parse, scanner=lambda tools: XmlCalls(GRAMMAR, tools))

@@ -5,13 +5,22 @@ never disagree. `OutputParser` is a reasoning stage (reasoning → content) feed
 (content ⇄ call region). Text that might be the start of a marker, and whitespace that the answer
 would drop at a boundary, are held back until the next delta decides. A call region that its format
 cannot parse (malformed, an unknown tool, never closed) comes back as text, never as an error.
+
+Streamed (`incremental=True`), a format with a scanner also tells each call while its region is still
+being written (`tool_open`, then `tool_args` fragments); when the region ends, the whole parse settles
+it: the calls it finds must extend what was streamed (same names, arguments that start with the
+fragments sent), and the rest of their arguments follows. A call ends (`tool_call`) before the next
+one of its region opens, so clients that take one block at a time (Anthropic, Responses) can. A region that fails after a call was
+opened cannot be taken back from the client: its opened calls end with the arguments streamed so far
+(as OpenAI's own streams end a call cut by max_tokens), and its remaining text is not shown (the record
+keeps the exact ids). A whole answer gives such a region back as text.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.parsers.base import Event, ToolFormat, ToolSpecs, held_marker
+from gateway.parsers.base import Event, Piece, Scanner, ToolCall, ToolFormat, ToolSpecs, held_marker
 
 
 @dataclass(frozen=True)
@@ -24,12 +33,26 @@ class ReasoningFormat:
     forced: bool = False
 
 
-class ToolStage:
-    """content ⇄ region. `tools_enabled=False` leaves every region as text."""
+@dataclass
+class _Opened:
+    """A call streamed before its region ended: its head (id, name) and the arguments sent so far."""
 
-    def __init__(self, fmt: ToolFormat | None, tools: ToolSpecs, tools_enabled: bool) -> None:
+    head: ToolCall
+    own_id: bool  # the format names its calls (then the whole parse must give the same id)
+    sent: str = ""
+    closed: bool = False  # ended when the next call of its region opened (its arguments were complete)
+
+
+class ToolStage:
+    """content ⇄ region. `tools_enabled=False` leaves every region as text; `incremental` streams calls
+    while their region is written (see the module docstring)."""
+
+    def __init__(self, fmt: ToolFormat | None, tools: ToolSpecs, tools_enabled: bool, incremental: bool = False) -> None:
         self.fmt = fmt if tools_enabled else None
         self.tools = tools
+        self.incremental = incremental
+        self.scanner: Scanner | None = None
+        self.opened: list[_Opened] = []
         self.buf = ""
         self.region: tuple[str, str | None] | None = None  # (open marker, close marker) while inside one
         self.started = False  # has any content been emitted
@@ -45,10 +68,7 @@ class ToolStage:
         if self.region is not None:
             marker, close = self.region
             calls = self.fmt.parse(self.buf, self.tools) if self.fmt is not None and close is None else None
-            if calls is None:
-                self._content(out, (self._gap() + marker + self.buf).rstrip())
-            else:
-                out.extend(Event("tool_call", tool_call=c) for c in calls)
+            self._settle(out, calls, (marker + self.buf).rstrip())
         elif self.buf.strip():
             self._content(out, self.buf.rstrip())
         self.buf, self.region = "", None
@@ -62,7 +82,7 @@ class ToolStage:
         fmt = self.fmt
         if fmt is not None:
             if not self.started and self.buf[:1] and self.buf[0] in fmt.bare_starts:
-                self.region = ("", None)
+                self._enter("", None)
                 return True
             found = [(at, m) for m in fmt.opens if (at := self.buf.find(m)) >= 0]
             if found:
@@ -71,7 +91,7 @@ class ToolStage:
                 self._content(out, before.rstrip())
                 self.gap = before[len(before.rstrip()):] if self.started else ""
                 self.buf = self.buf[at + len(marker):]
-                self.region = (marker, fmt.opens[marker])
+                self._enter(marker, fmt.opens[marker])
                 return True
         if not final:
             held = max((held_marker(self.buf, m) for m in fmt.opens), default=0) if fmt is not None else 0
@@ -85,17 +105,57 @@ class ToolStage:
         assert self.region is not None and self.fmt is not None
         marker, close = self.region
         end = self.buf.find(close) if close is not None else -1
-        if close is None or end < 0:
-            return False  # to the end of the answer, or not closed yet
+        if close is None or end < 0:  # to the end of the answer, or not closed yet
+            if self.scanner is not None:
+                seen = len(self.buf) - (held_marker(self.buf, close) if close is not None else 0)
+                self._pieces(out, self.scanner.scan(self.buf[:seen]))
+            return False
         body = self.buf[:end]
         self.buf = self.buf[end + len(close):]
-        self.region = None
-        calls = self.fmt.parse(body, self.tools)
-        if calls is None:
-            self._content(out, self._gap() + marker + body + close)
-        else:
-            out.extend(Event("tool_call", tool_call=c) for c in calls)
+        self._settle(out, self.fmt.parse(body, self.tools), marker + body + close)
         return True
+
+    def _enter(self, marker: str, close: str | None) -> None:
+        self.region = (marker, close)
+        scanner = self.fmt.scanner if self.fmt is not None and self.incremental else None
+        self.scanner = scanner(self.tools) if scanner is not None else None
+
+    def _pieces(self, out: list[Event], pieces: list[Piece]) -> None:
+        for piece in pieces:
+            if piece.name is not None:
+                if self.opened and not self.opened[-1].closed:  # a client takes one call at a time
+                    last = self.opened[-1]
+                    last.closed = True
+                    out.append(Event("tool_call", tool_call=ToolCall(last.head.name, last.sent, last.head.id)))
+                head = ToolCall(name=piece.name, arguments="")
+                if piece.ident is not None:
+                    head.id = piece.ident
+                self.opened.append(_Opened(head, piece.ident is not None))
+                out.append(Event("tool_open", tool_call=head))
+            if piece.text and piece.index < len(self.opened):
+                opened = self.opened[piece.index]
+                opened.sent += piece.text
+                out.append(Event("tool_args", piece.text, opened.head))
+
+    def _settle(self, out: list[Event], calls: list[ToolCall] | None, text: str) -> None:
+        """The region's end: its calls (extending those streamed), or its text (see the module docstring)."""
+        opened, self.opened, self.scanner, self.region = self.opened, [], None, None
+        gap = self._gap()
+        if opened and not _extends(calls, opened):
+            out.extend(Event("tool_call", tool_call=ToolCall(o.head.name, o.sent, o.head.id)) for o in opened if not o.closed)
+            return
+        if calls is None:
+            self._content(out, gap + text)
+            return
+        for k, call in enumerate(calls):
+            if k < len(opened):
+                o = opened[k]
+                if o.closed:
+                    continue  # already out, with exactly these arguments
+                if rest := call.arguments[len(o.sent):]:
+                    out.append(Event("tool_args", rest, o.head))
+                call.id = o.head.id
+            out.append(Event("tool_call", tool_call=call))
 
     def _gap(self) -> str:
         gap, self.gap = self.gap, ""
@@ -105,6 +165,14 @@ class ToolStage:
         if text:
             out.append(Event("content", text))
             self.started = True
+
+
+def _extends(calls: list[ToolCall] | None, opened: list[_Opened]) -> bool:
+    """Whether the whole parse's calls continue the ones already streamed."""
+    return calls is not None and len(calls) >= len(opened) and all(
+        c.name == o.head.name and (c.arguments == o.sent if o.closed else c.arguments.startswith(o.sent))
+        and (c.id == o.head.id or not o.own_id)
+        for c, o in zip(calls, opened))
 
 
 class OutputParser:

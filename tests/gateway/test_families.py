@@ -283,3 +283,27 @@ def test_injection_turns_tool_results_into_one_user_turn() -> None:
     assert out[3]["content"] == "<tool_response>\nr1\n</tool_response>\n<tool_response>\nr2\n</tool_response>\nand?"
     assert '"name": "get"' in out[0]["content"] and "func_name1(" in out[0]["content"]
     assert injector("llama3")(messages[:2], None)[1]["content"] == '{"name": "get", "parameters": {"q": "a"}}'
+
+
+async def test_tool_results_to_a_template_without_tools_get_400_naming_the_flag(tmp_path: Path) -> None:
+    """Gemma 3 as packaged: a tool result breaks its alternating roles; the 400 carries the template's own
+    error and names the supported way (--inject-tools)."""
+    from stepline import assets
+
+    try:
+        source = assets.npm_tokenizer_dir("gemma3")
+    except assets.AssetUnavailable as exc:
+        pytest.skip(f"gemma3 tokenizer unavailable ({exc})")
+    model_dir = tmp_path / "gemma3"
+    shutil.copytree(source, model_dir)
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "max_position_embeddings": 8192}))
+    async with FakeEngine([], eos_id=1) as url, serve(model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        headers = {"Authorization": f"Bearer {s['api_key']}"}
+        call = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"q": "a"}'}}
+        messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "r1"}]
+        async with httpx.AsyncClient(base_url=s["openai_base_url"], headers=headers) as http:
+            r = await http.post("/chat/completions", json={"messages": messages})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "alternate" in message and "--inject-tools" in message, message
