@@ -70,6 +70,8 @@ class QuotaDisk:
 
     def enter_argv(self) -> list[str]:
         """The prefix that runs a command inside the holder's namespace (its user namespace too when not root)."""
+        if (code := self._holder.poll()) is not None:  # signalled with the harness's group, say
+            raise QuotaUnavailable(f"the episode's tmpfs is gone: its holder exited ({code}) before the episode ended")
         user = ["--user", "--preserve-credentials"] if os.geteuid() != 0 else []
         return ["nsenter", f"--target={self._holder.pid}", "--mount", *user, "--"]
 

@@ -156,6 +156,16 @@ def test_quotas_hold_without_root(open_dir: Path) -> None:
     assert _wait_unmounted(open_dir / "box") == []
 
 
+@needs_namespace
+def test_a_lost_tmpfs_is_an_error_not_a_silent_host_write(tmp_path: Path) -> None:
+    box = _box(tmp_path)
+    os.kill(box._disk._holder.pid, 9)  # type: ignore[union-attr]  # e.g. a signal to the harness's process group
+    with pytest.raises(QuotaUnavailable, match="tmpfs is gone"):
+        box.run("echo x > a")
+    box.close()
+    assert list((tmp_path / "box").iterdir()) == []
+
+
 def test_quotas_in_plain_mode_raise_quota_unavailable(tmp_path: Path) -> None:
     with pytest.raises(QuotaUnavailable, match="plain mode"):
         Sandbox(tmp_path / "box", Limits(), mode="plain")
