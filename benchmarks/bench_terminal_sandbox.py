@@ -1,5 +1,6 @@
-"""Per-command cost of the terminal sandbox: namespace mode (unshare + chroot) vs plain (rlimits only),
-and expert episodes per second on the test split (setup + one command + check, in-process).
+"""Per-command cost of the terminal sandbox: namespace mode (unshare + chroot) with and without the per-episode
+quota tmpfs (agents/terminal/quota.py) vs plain (rlimits only), and expert episodes per second on the test split
+(setup + one command + check, in-process).
 
     .venv/bin/python benchmarks/bench_terminal_sandbox.py
 """
@@ -12,19 +13,21 @@ import time
 from pathlib import Path
 
 from agents.terminal.episode import expert_episode
-from agents.terminal.sandbox import Sandbox, detect_mode
+from agents.terminal.sandbox import Limits, Sandbox, detect_mode
 from agents.terminal.tasks import check, get_task, task_ids
 
 
-def per_command_ms(mode: str, n: int = 40) -> float:
+def per_command_ms(mode: str, quota: bool, n: int = 40) -> float:
+    limits = Limits() if quota else Limits(disk_bytes=None, inodes=None)
     with tempfile.TemporaryDirectory() as tmp:
-        box = Sandbox(Path(tmp) / "box", mode=mode)  # type: ignore[arg-type]
+        box = Sandbox(Path(tmp) / "box", limits, mode=mode)  # type: ignore[arg-type]
         box.prepare()
         times = []
         for _ in range(n):
             started = time.perf_counter()
             box.run("echo hi > a.txt")
             times.append(time.perf_counter() - started)
+        box.close()
         return statistics.median(times) * 1000
 
 
@@ -39,8 +42,9 @@ def expert_episodes_per_s(n: int = 60) -> float:
 
 
 if __name__ == "__main__":
-    modes = sorted({detect_mode(), "plain"})
-    ms = {mode: per_command_ms(mode) for mode in modes}
-    for mode in modes:
-        print(f"{mode:<10} median per command {ms[mode]:6.1f} ms   ratio to plain {ms[mode] / ms['plain']:.2f}")
+    runs = [("plain", False)] + ([("namespace", False), ("namespace", True)] if detect_mode() == "namespace" else [])
+    ms = {run: per_command_ms(*run) for run in runs}
+    for (mode, quota), value in ms.items():
+        name = f"{mode}{' + quota' if quota else ''}"
+        print(f"{name:<18} median per command {value:6.1f} ms   ratio to plain {value / ms['plain', False]:.2f}")
     print(f"expert episodes/s (test split, mode {detect_mode()}): {expert_episodes_per_s():.1f}")

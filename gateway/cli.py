@@ -162,6 +162,9 @@ async def running_gateway(
     "written at the next start; answers wait until each call is in the pool or this file.",
 )
 @click.option("--engine-timeout", default=600.0, show_default=True, help="Seconds an engine call may take.")
+@click.option("--session-idle-timeout", default=24 * 3600.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Open sessions without a call for this long end as abandoned (and, at start, the pool's open "
+              "sessions created longer ago: those a killed gateway left behind).")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
 def gateway_command(
     engines: tuple[str, ...],
@@ -182,6 +185,7 @@ def gateway_command(
     engine_token: str | None,
     spill_path: Path | None,
     engine_timeout: float,
+    session_idle_timeout: float,
     initial_version: int,
 ) -> None:
     """Run the recording gateway in front of one or more engines."""
@@ -202,6 +206,7 @@ def gateway_command(
         eot_token=eot_token,
         inject_tools=inject_tools,
         spill_path=str(spill_path) if spill_path else None,
+        session_idle_timeout=session_idle_timeout,
     )
     if admin_token is None:
         log.warning("no --admin-token: /admin/* and POST /sessions are open to anyone who can reach port %d", port)

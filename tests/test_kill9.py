@@ -9,6 +9,7 @@ its queue)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -22,10 +23,14 @@ from pathlib import Path
 
 import httpx
 import orjson
+import pytest
 import zstandard
 
 from datapool import open_pool
 from stepline.up import free_port
+from trainer.checkpoint import latest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("STEPLINE_POOL", "STEPLINE_ENGINE",
                                                                     "STEPLINE_ADMIN"))},
@@ -53,11 +58,10 @@ def healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 40.0) 
 class Stream:
     """Harness threads, one session each, calling without pause; `acked` holds the id of every answer."""
 
-    def __init__(self, gateway: str, sessions: int = 3) -> None:
+    def __init__(self, gateway: str, sessions: int = 3, opened: list[dict] | None = None) -> None:
         self.acked: set[str] = set()
         self._stop = threading.Event()
-        opened = [httpx.post(f"{gateway}/sessions", json={"task_id": "t", "harness": "h"},
-                             headers={"Authorization": "Bearer adm"}, timeout=10).json() for _ in range(sessions)]
+        opened = opened or [open_session(gateway, "t") for _ in range(sessions)]
         self._threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in opened]
         for thread in self._threads:
             thread.start()
@@ -79,6 +83,11 @@ class Stream:
         self._stop.set()
         for thread in self._threads:
             thread.join(40)
+
+
+def open_session(gateway: str, task_id: str) -> dict:
+    return httpx.post(f"{gateway}/sessions", json={"task_id": task_id, "harness": "h"},
+                      headers={"Authorization": "Bearer adm"}, timeout=10).json()
 
 
 def recorded_ids(db: Path) -> set[str]:
@@ -228,3 +237,89 @@ def _wait_gone(pid: int, timeout: float) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"child {pid} still running {timeout} s after its parent was killed")
+
+
+def _play(session: dict, reward: float | None, end: bool) -> None:
+    """One call, then (optionally) a terminal reward and the end, as a harness and its verifier would."""
+    auth = {"Authorization": f"Bearer {session['api_key']}"}
+    reply = httpx.post(f"{session['openai_base_url']}/chat/completions", headers=auth, timeout=30, json={
+        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "go"}]})
+    assert reply.status_code == 200, reply.text
+    base = session["openai_base_url"].rsplit("/s/", 1)[0]
+    if reward is not None:
+        assert httpx.post(f"{base}/sessions/{session['session_id']}/reward", json={"value": reward},
+                          headers=auth, timeout=30).status_code == 200
+    if end:
+        assert httpx.post(f"{base}/sessions/{session['session_id']}/end", headers=auth, timeout=30).status_code == 200
+
+
+def _statuses(db: Path) -> dict[str, str]:
+    pool = open_pool(f"sqlite:///{db}")
+    try:
+        return {s.session_id: s.status for s in pool.list_sessions()}
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow  # about a minute: two gateway starts and a trainer (pytest -m slow tests/test_kill9.py)
+def test_kill9_gateway_mid_job_orphans_are_abandoned_and_every_group_trains_once(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Finding 4 end to end: a trainer runs while the gateway is killed with sessions open. Those sessions would
+    block their groups forever; the next gateway (session_idle_timeout 2 s) ends them as abandoned at start, and
+    the trainer, which never stopped, trains every group exactly once: abandoned members with a terminal reward
+    in it, those without left out (datapool/sql.py, the ready rule)."""
+    db, spill = tmp_path / "pool.db", tmp_path / "gateway.spill"
+
+    def gateway(engine: str, *extra: str) -> tuple[str, subprocess.Popen]:
+        url = f"http://127.0.0.1:{free_port()}"
+        proc = spawn(["stepline.cli", "gateway", "--engine", engine, "--engine-kind", "sglang", "--model",
+                      str(tiny_model_dir), "--pool", f"sqlite:///{db}", "--port", url.rsplit(":", 1)[1],
+                      "--spill", str(spill), *extra], tmp_path / "gateway.log")
+        healthy(url, proc, tmp_path / "gateway.log")
+        return url, proc
+
+    job = tmp_path / "job.toml"
+    job.write_text(f'[trainer]\nmodel_dir = "{tiny_model_dir}"\noutput_dir = "run"\ngroups_per_update = 1\n'
+                   'max_updates = 4\ncheckpoint_every = 1\nmax_staleness = 100\nidle_timeout = 120\nprogress = false\n'
+                   f'tensorboard = false\ndynamic_sampling = false\n[pool]\nurl = "sqlite:///{db}"\n')
+    procs: list[subprocess.Popen] = []
+    with fake_engine(tmp_path) as engine:
+        try:
+            url, gw = gateway(engine)
+            procs.append(gw)
+            # every member exists before any ends, so no group can be claimed short of a member
+            s = {f"{task}{m}": open_session(url, task) for task in ("t0", "t1", "t2", "t3") for m in "ab"}
+            ids = {name: session["session_id"] for name, session in s.items()}
+            with (tmp_path / "trainer.log").open("wb") as log:
+                trainer = subprocess.Popen([sys.executable, "-m", "stepline.cli", "train", str(job)], cwd=tmp_path,
+                                           env={**ENV, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT)
+            procs.append(trainer)
+            stream = Stream(url, opened=[s["t2b"], s["t3b"]])  # two harnesses mid-episode when the gateway dies
+            for name in ("t0a", "t0b", "t1a", "t1b", "t2a", "t3a"):
+                _play(s[name], reward=float(name.endswith("a")), end=True)
+            _play(s["t2b"], reward=1.0, end=False)  # rewarded, never ended: abandoned, still trains
+            time.sleep(1.0)
+            gw.kill()
+            stream.stop()
+            assert stream.acked and _statuses(db)[ids["t2b"]] == _statuses(db)[ids["t3b"]] == "open"
+            time.sleep(2.0)  # the orphans are now older than the next gateway's idle timeout
+            _, gw = gateway(engine, "--session-idle-timeout", "2")
+            procs.append(gw)
+            assert trainer.wait(240) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    statuses = _statuses(db)
+    assert statuses[ids["t2b"]] == statuses[ids["t3b"]] == "abandoned" and "open" not in statuses.values()
+    final = json.loads((latest_checkpoint(tmp_path / "run" / "checkpoints") / "state.json").read_text())
+    trained = sorted(sid for members in final["consumed"].values() for sid in members)
+    # 4 groups, each once; the abandoned t3b had no reward, so t3 trained without it
+    assert final["update"] == 4 and len(final["consumed"]) == 4 and final["unacked"] == []
+    assert trained == sorted(ids[n] for n in ("t0a", "t0b", "t1a", "t1b", "t2a", "t2b", "t3a"))
+    pool = open_pool(f"sqlite:///{db}")
+    try:
+        stats = pool.stats()
+    finally:
+        pool.close()
+    assert stats["groups_consumed"] == 4 and stats["groups_claimed"] == 0

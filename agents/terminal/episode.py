@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agents.common import EndpointError, Episode, Tool, ToolCall, anthropic_schema
-from agents.terminal.sandbox import Limits, Sandbox
+from agents.terminal.sandbox import Limits, Sandbox, episode_limits
 from agents.terminal.tasks import Task, setup
 
 SYSTEM = "You are in a Linux shell. Use the bash tool to do the task, then say done."
@@ -27,8 +27,9 @@ class MessagesClient(Protocol):
 
 
 def open_sandbox(task: Task, out: Path, limits: Limits | None = None) -> Sandbox:
-    """A fresh sandbox at out/sandbox with the task's input files, owned by the sandbox uid."""
-    box = Sandbox(out / "sandbox", limits)
+    """A fresh sandbox at out/sandbox with the task's input files, owned by the sandbox uid; with disk and
+    inode quotas wherever the machine can enforce them (`episode_limits`)."""
+    box = Sandbox(out / "sandbox", limits or episode_limits())
     setup(task, box.directory)
     box.prepare()
     return box
@@ -127,6 +128,7 @@ def _block(block: Any) -> dict[str, Any]:
 
 
 def _summary(box: Sandbox) -> dict[str, Any]:
-    """For people reading episode.json: which sandbox mode ran, and the files left behind."""
+    """For people reading episode.json: which sandbox mode and quotas ran, and the files left behind."""
     files = sorted(str(p.relative_to(box.directory)) for p in box.directory.rglob("*"))[:50]
-    return {"api": "anthropic.messages", "sandbox_mode": box.mode, "files": files}
+    quota = {"disk_bytes": box.limits.disk_bytes, "inodes": box.limits.inodes} if box.limits.quota() else None
+    return {"api": "anthropic.messages", "sandbox_mode": box.mode, "quota": quota, "files": files}

@@ -16,6 +16,14 @@ Enforcement, strongest available mode first (`detect_mode()` probes once per pro
 
 Limits in both modes: wall time per command (the group is SIGKILLed), CPU seconds, address space,
 file size, process count, and output bytes (the reader stops and kills the command past the cap).
+
+Quotas per episode (`Limits.disk_bytes`, `Limits.inodes`; namespace mode only, as root or not): the
+sandbox directory is a size- and inode-limited tmpfs in a mount namespace held by a child process
+(agents/terminal/quota.py), so it never appears in the host's mount table and dies with the episode,
+kill -9 included; `directory` is that tmpfs while the episode runs, and `close()` copies its files
+back. Asking for quotas in plain mode raises `QuotaUnavailable`; `episode_limits()` is what episodes
+use: the quotas where they can be enforced, else none, said on stderr. Whatever the mode, /work is
+mounted nosuid and nothing the sandbox leaves carries a setuid or setgid bit.
 A command also dies with the harness process (parent-death signal), so killing a harness at its
 episode timeout leaves nothing behind in namespace mode.
 """
@@ -30,12 +38,18 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field
+
+from agents.terminal.quota import QuotaDisk, QuotaUnavailable
+
+__all__ = ["CommandResult", "Limits", "Mode", "QuotaUnavailable", "Sandbox", "detect_mode", "episode_limits",
+           "quotas_available"]
 
 Mode = Literal["namespace", "plain"]
 
@@ -50,7 +64,8 @@ for d in bin sbin lib lib32 lib64 libx32 usr etc; do
 done
 mkdir "$R/work" "$R/tmp" "$R/proc" "$R/dev"
 mount --bind "$SANDBOX_DIR" "$R/work"
-mount -t tmpfs -o size=16m,mode=1777 sandbox-tmp "$R/tmp"
+mount -o remount,bind,nosuid,nodev "$R/work"
+mount -t tmpfs -o size=16m,mode=1777,nosuid,nodev sandbox-tmp "$R/tmp"
 mount -t proc proc "$R/proc"
 for n in null zero random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
 mount -o remount,ro,bind "$R"
@@ -78,6 +93,11 @@ class Limits(BaseModel):
     file_bytes: int = Field(8 << 20, gt=0, description="RLIMIT_FSIZE: largest file a command may write")
     processes: int = Field(64, gt=0, description="RLIMIT_NPROC for the sandbox uid")
     output_bytes: int = Field(2048, gt=0, description="output returned to the agent (rest truncated)")
+    disk_bytes: int | None = Field(64 << 20, gt=0, description="bytes the episode's files may take (None: no quota)")
+    inodes: int | None = Field(8192, gt=0, description="files + directories the episode may make (None: no quota)")
+
+    def quota(self) -> bool:
+        return self.disk_bytes is not None or self.inodes is not None
 
 
 @dataclass
@@ -105,6 +125,19 @@ def detect_mode() -> Mode:
     return "namespace" if ok else "plain"
 
 
+def quotas_available(mode: Mode | None = None) -> bool:
+    """Whether a sandbox in `mode` (None: the detected one) can enforce disk and inode quotas."""
+    return (mode or detect_mode()) == "namespace"
+
+
+def episode_limits() -> Limits:
+    """The default limits with quotas where they can be enforced; without them (said on stderr) elsewhere."""
+    if quotas_available():
+        return Limits()
+    print("terminal sandbox: plain mode (no namespaces here), so no disk or inode quota per episode", file=sys.stderr)
+    return Limits(disk_bytes=None, inodes=None)
+
+
 def _namespace_argv(directory: Path, command: str, uid: int | None) -> tuple[list[str], dict[str, str]]:
     flags = ["--mount", "--pid", "--net", "--fork", "--kill-child"]
     if os.geteuid() != 0:
@@ -124,13 +157,26 @@ class Sandbox:
     """A directory in which an agent's shell commands run, one fresh confined shell per command."""
 
     def __init__(self, directory: Path, limits: Limits | None = None, mode: Mode | None = None) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.root = Path(directory)  # the ordinary directory; the files are here after close()
+        self.root.mkdir(parents=True, exist_ok=True)
         self.limits = limits or Limits()
         self.mode: Mode = mode or detect_mode()
         # As root, run commands under an unprivileged uid of their own: the pid makes it unique
         # among live episodes, so RLIMIT_NPROC is per episode.
         self.uid: int | None = 1_000_000 + os.getpid() if os.geteuid() == 0 else None
+        self._disk: QuotaDisk | None = None
+        if self.limits.quota():
+            if self.mode != "namespace":
+                how = "forced" if mode is not None else "the only mode available here"
+                raise QuotaUnavailable(
+                    f"disk_bytes / inodes quotas need namespace mode, and this sandbox is in plain mode ({how}); "
+                    "set Limits(disk_bytes=None, inodes=None) to run without quotas")
+            self._disk = QuotaDisk(self.root, self.limits.disk_bytes, self.limits.inodes)
+
+    @property
+    def directory(self) -> Path:
+        """Where the episode's files are now: the quota tmpfs while it runs, else the ordinary directory."""
+        return self._disk.live if self._disk is not None else self.root
 
     def prepare(self) -> None:
         """Hand the directory (after task setup wrote its files) to the sandbox uid."""
@@ -146,16 +192,21 @@ class Sandbox:
             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=self._child_limits,
         )
         try:
-            return self._collect(proc)
+            result = self._collect(proc)
         finally:
             _kill_group(proc)
+        full = self._disk.exhausted() if self._disk is not None else None
+        if full is not None:
+            result.output += f"\n{full}"
+        return result
 
     def _argv(self, command: str) -> tuple[list[str], dict[str, str], str]:
         if self.mode == "namespace":
-            argv, env = _namespace_argv(self.directory, command, self.uid)
-            return argv, env, "/"
-        env = {"PATH": _PATH, "HOME": str(self.directory), "LANG": "C.UTF-8"}
-        return ["/bin/bash", "-c", command], env, str(self.directory)
+            argv, env = _namespace_argv(self.root, command, self.uid)
+            enter = self._disk.enter_argv() if self._disk is not None else []
+            return [*enter, *argv], env, "/"
+        env = {"PATH": _PATH, "HOME": str(self.root), "LANG": "C.UTF-8"}
+        return ["/bin/bash", "-c", command], env, str(self.root)
 
     def _child_limits(self) -> None:
         """Runs in the child between fork and exec: rlimits, and (plain mode, root) the uid drop."""
@@ -207,9 +258,16 @@ class Sandbox:
         return CommandResult(output=text, exit_code=code, timed_out=timed_out, truncated=truncated)
 
     def close(self) -> None:
-        """Nothing runs between commands; in plain mode sweep the sandbox uid once more."""
+        """Nothing runs between commands; in plain mode sweep the sandbox uid once more. The files end up in
+        the ordinary directory (copied out of the quota tmpfs), without setuid or setgid bits."""
         if self.mode == "plain" and self.uid is not None:
             subprocess.run(["pkill", "-KILL", "-U", str(self.uid)], check=False, capture_output=True)
+        disk, self._disk = self._disk, None
+        if disk is not None:
+            disk.close()
+        else:
+            subprocess.run(["chmod", "-R", "ug-s", str(self.root)], env={"PATH": _PATH}, capture_output=True,
+                           check=False)
 
 
 def _read_some(fd: int, timeout: float) -> bytes | None:

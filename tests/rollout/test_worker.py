@@ -250,9 +250,14 @@ async def test_episode_timeout_kills_the_terminal_sandbox_and_the_worker_lives_o
         async with session_standin(model.url) as gw, GatewayClient(gw.url, "admin") as client:
             cfg = config(spec, episode_timeout_s=5.0, keep_episodes=True)
             async with RolloutDriver(cfg, client, tmp_path) as driver:
-                timed_out = await driver.run_episode(spec, task_id, None)
+                episode = asyncio.create_task(driver.run_episode(spec, task_id, None))
+                # The command ran: its sleep shows on the host while the episode lasts (its files live in the
+                # episode's quota tmpfs, which dies with the killed harness: agents/terminal/quota.py).
+                while not (started := _sleepers(marker, within_s=0)) and not episode.done():
+                    await asyncio.sleep(0.05)
+                timed_out = await episode
                 assert timed_out.reason == "harness timed out after 5s"
-                assert (tmp_path / timed_out.session_id / "episode" / "sandbox" / "started").exists()
+                assert started != []
                 # Gone at once, long before the sandbox's own 10 s limit per command would end it
                 # (agents/terminal/sandbox.py), and the episode never got to ask the model again.
                 assert _sleepers(marker, within_s=3) == []
