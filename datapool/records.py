@@ -20,6 +20,7 @@ NodeKind = Literal["obs", "act"]
 LeafRule = Literal["all", "drop_superseded", "main"]
 
 NO_VERSION = -1  # weight version of observation tokens (not sampled by any policy)
+REFERENCE_KEY = "reference"  # the session-metadata key of the task's gold answer (IGPO's information gain)
 FORK_KEY = "fork_of"  # the session-metadata key of a fork's link, {"session": id, "call": k} (set by the gateway)
 
 
