@@ -1,7 +1,9 @@
 """The rollout driver: runs harness episodes against the gateway, one session per episode.
 
 For each drawn task it opens G sessions (one group, an explicit group id, so GRPO baselines stay
-per task × harness), plays the harness once per session with that session's endpoint, kills it at
+per task × harness; a harness with `tree_search` grows the group as trees of forked sessions instead,
+rollout/trees.py; a task's gold answer, where the harness gives one, goes into every session's
+metadata["reference"]), plays the harness once per session with that session's endpoint, kills it at
 the episode timeout (its whole process group), runs the verifier, posts the reward and ends the
 session. A harness that crashes, hangs or exits non-zero ends as a *failed* episode with a reason
 (reward `failed_reward`, or none if not `score_failed`); a verifier that throws or prints garbage
