@@ -165,7 +165,7 @@ class RolloutDriver:
         self._draw: _TaskDraw | None = None
         self.workers: dict[str, HarnessWorker] = {}  # by module, started on first use
         self._no_worker: set[str] = set()  # modules without a serve submodule
-        self._references: dict[str, dict[str, str]] = {}  # harness -> task id -> gold answer (loaded on first use)
+        self._references: dict[tuple[str, str], dict[str, str]] = {}  # (harness, split) -> task id -> gold answer
 
     async def __aenter__(self) -> RolloutDriver:
         return self
@@ -329,19 +329,21 @@ class RolloutDriver:
     async def run_group(self, spec: HarnessSpec, task_id: str, group_size: int | None = None,
                         metadata: dict[str, Any] | None = None, prefix: str = "") -> list[EpisodeResult]:
         """G episodes of one task, in one explicit group ("<prefix><task>::<harness>::<random>"); with the
-        harness's `tree_search`, its trees of forked episodes instead (rollout/trees.py)."""
+        harness's `tree_search` and no `group_size` given (evaluation gives 1), its trees of forked episodes
+        instead (rollout/trees.py)."""
         group_id = f"{prefix}{task_id}::{spec.name}::{uuid.uuid4().hex[:12]}"
-        metadata = {**(metadata or {}), **await self._reference(spec, task_id)}
+        metadata = metadata or {}
+        metadata = {**metadata, **await self._reference(spec, task_id, metadata.get("split", spec.split))}
         if spec.tree_search is not None and group_size is None:
             return await trees.run_tree_group(self, spec, task_id, spec.tree_search, group_id, metadata)
         size = group_size or self.config.group_size
         return list(await asyncio.gather(*(self.run_episode(spec, task_id, group_id, metadata) for _ in range(size))))
 
-    async def _reference(self, spec: HarnessSpec, task_id: str) -> dict[str, str]:
+    async def _reference(self, spec: HarnessSpec, task_id: str, split: str) -> dict[str, str]:
         """{"reference": gold answer} where the harness gives one for the task (IGPO), else {}."""
-        if spec.name not in self._references:
-            self._references[spec.name] = await asyncio.to_thread(task_references, spec)
-        answer = self._references[spec.name].get(task_id)
+        if (spec.name, split) not in self._references:
+            self._references[spec.name, split] = await asyncio.to_thread(task_references, spec, split)
+        answer = self._references[spec.name, split].get(task_id)
         return {} if answer is None else {REFERENCE_KEY: answer}
 
     def add_result(self, spec: HarnessSpec, result: EpisodeResult) -> None:
