@@ -117,8 +117,9 @@ def show_command(session: str, db: str, tokenizer: str | None, leaf_rule: str) -
     pool = open_pool(db, read_only=True)
     try:
         episode = pool.get_episode(session, leaf_rule)  # type: ignore[arg-type]
+        forks = [info for info in pool.list_sessions() if info.fork_of and info.fork_of.session_id == session]
     except PoolError as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
         pool.close()
-    Console().print(render_episode(episode, decode))
+    Console().print(render_episode(episode, decode, forks))

@@ -20,6 +20,17 @@ NodeKind = Literal["obs", "act"]
 LeafRule = Literal["all", "drop_superseded", "main"]
 
 NO_VERSION = -1  # weight version of observation tokens (not sampled by any policy)
+REFERENCE_KEY = "reference"  # the session-metadata key of the task's gold answer (IGPO's information gain)
+FORK_KEY = "fork_of"  # the session-metadata key of a fork's link, {"session": id, "call": k} (set by the gateway)
+
+
+@dataclass(frozen=True)
+class ForkPoint:
+    """Where a forked session branched off: it shares `session`'s calls 0..call-1 (their exact token ids, as
+    context) and samples its own from call `call` on (docs/architecture.md §3, Tree-GRPO)."""
+
+    session_id: str
+    call: int
 
 
 @dataclass
@@ -38,6 +49,12 @@ class SessionInfo:
     @property
     def group_key(self) -> str:
         return self.group_id if self.group_id is not None else f"{self.task_id}::{self.harness}"
+
+    @property
+    def fork_of(self) -> ForkPoint | None:
+        """The session and call this one was forked from (`metadata["fork_of"]`), None for a root episode."""
+        link = self.metadata.get(FORK_KEY)
+        return None if link is None else ForkPoint(link["session"], int(link["call"]))
 
 
 @dataclass

@@ -91,7 +91,7 @@ def _methods(pool: Pool) -> dict[str, Callable[[dict], Any]]:
         "list_sessions": lambda a: pool.list_sessions(a.get("status")),
         "get_tree": lambda a: pool.get_tree(a["session_id"]),
         "get_episode": lambda a: pool.get_episode(a["session_id"], a.get("leaf_rule", "drop_superseded")),
-        "get_calls": lambda a: pool.get_calls(a["session_id"]),  # type: ignore[attr-defined]
+        "get_calls": lambda a: pool.get_calls(a["session_id"]),
         "stats": lambda a: pool.stats(),
         "claim_groups": lambda a: pool.claim_groups(
             a["consumer"], a["min_version"], a["max_groups"], a.get("group_size"),

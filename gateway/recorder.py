@@ -33,9 +33,10 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import zstandard
 
@@ -45,13 +46,14 @@ from gateway import metrics
 from gateway.spill import Spill
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 @dataclass
 class _Item:
-    kind: str  # "call" | "session" | "reward" | "end" | "abandon" | "flush"
+    kind: str  # "call" | "session" | "reward" | "end" | "abandon" | "flush" | "read"
     payload: Any
-    done: Future[None] | None = None  # set when the pool has committed it (a call: or when it is spilled)
+    done: Future[Any] | None = None  # set when the pool has committed it (a call: or when it is spilled)
     compress: bool = False  # a call whose request/response are still raw JSON: zstd them in the worker
     spilled: bool = False  # a call already in the spill file
 
@@ -156,14 +158,19 @@ class Recorder:
         """Wait until every record queued before this call is in the pool."""
         await self._submit("flush", None)
 
-    async def _submit(self, kind: str, payload: Any) -> None:
+    async def read(self, fn: Callable[[Pool], R]) -> R:
+        """`fn(pool)` on the worker thread, after every record queued before it is written (so it reads
+        them); what it raises (a `PoolError`: an unknown session) reaches the caller, an outage is retried."""
+        return await self._submit("read", fn)
+
+    async def _submit(self, kind: str, payload: Any) -> Any:
         if self._thread is None:
             raise RuntimeError("Recorder.start() was not called (or it is closed)")
         if self.failure is not None:
             raise RuntimeError(f"the recorder stopped: {self.failure!r}") from self.failure
-        done: Future[None] = Future()
+        done: Future[Any] = Future()
         self._inbox.put(_Item(kind, payload, done))
-        await asyncio.wrap_future(done)
+        return await asyncio.wrap_future(done)
 
     # --- the worker thread ---
     def _run(self) -> None:
@@ -288,6 +295,9 @@ class Recorder:
                 _compress_item(self._zstd, item)
             self._write_calls([item.payload for item in batch])
             return
+        if head.kind == "read":
+            self._read(head)
+            return
         try:
             if head.kind == "session":
                 self.pool.create_session(head.payload)
@@ -303,6 +313,19 @@ class Recorder:
         else:
             self._pop(1)
             _resolve(head.done, None)
+
+    def _read(self, head: _Item) -> None:
+        try:
+            result = head.payload(self.pool)
+        except Exception as exc:
+            if is_unavailable(exc):
+                raise  # an outage: retried like a write
+            self._pop(1)
+            _resolve(head.done, exc)  # the reader's own failure, handed to it; the recorder goes on
+            return
+        self._pop(1)
+        if head.done is not None and not head.done.done():
+            head.done.set_result(result)
 
     def _write_calls(self, records: list[CallRecord]) -> None:
         try:
@@ -379,7 +402,7 @@ def _compress(zstd: zstandard.ZstdCompressor, data: bytes | None) -> bytes | Non
     return None if data is None else zstd.compress(data)
 
 
-def _resolve(done: Future[None] | None, exc: BaseException | None) -> None:
+def _resolve(done: Future[Any] | None, exc: BaseException | None) -> None:
     if done is None or done.done():  # done: the waiting caller gave up (cancelled)
         return
     if exc is None:

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from datapool.records import SessionInfo
+from gateway.forks import Replay
 from gateway.templating import ChatTemplate
 from gateway.tito import TextMemory, TokenState
 
@@ -30,6 +31,7 @@ class Session:
     ended: bool = False
     last_active: float = field(default_factory=time.monotonic)  # its latest call (or its creation)
     responses: dict[str, list] = field(default_factory=dict)  # Responses API: response id -> its conversation
+    replay: Replay | None = None  # a fork on its way to its branch point (gateway/forks.py)
 
     def take_call_index(self) -> int:
         index = self.next_call

@@ -1,5 +1,6 @@
 """The rollout driver's client for the gateway's session endpoints (HTTP only; the trainer never
-imports the gateway). Formats: POST /sessions, /sessions/<id>/reward, /sessions/<id>/end.
+imports the gateway). Formats: POST /sessions, GET /sessions/<id>, POST /sessions/<id>/reward, /end and
+/fork (a new session that replays the source's calls before `call`, gateway/forks.py).
 
 Exceptions:
 
@@ -57,11 +58,23 @@ class GatewayClient:
 
     async def open_session(self, task_id: str, harness: str, group_id: str | None, metadata: dict[str, Any]) -> SessionHandle:
         body = {"task_id": task_id, "harness": harness, "group_id": group_id, "metadata": metadata}
-        data = await self._post("/sessions", body)
+        return _handle("/sessions", await self._post("/sessions", body))
+
+    async def fork_session(self, session_id: str, call: int, metadata: dict[str, Any] | None = None) -> SessionHandle:
+        """A fork of the session at `call` (same task, harness and group; its calls before `call` replay)."""
+        path = f"/sessions/{session_id}/fork"
+        return _handle(path, await self._post(path, {"call": call, "metadata": metadata or {}}))
+
+    async def session_calls(self, session_id: str) -> int:
+        """How many calls the session has made (a fork's replayed ones included)."""
+        path = f"/sessions/{session_id}"
         try:
-            return SessionHandle(data["session_id"], data["api_key"], data["openai_base_url"], data["anthropic_base_url"])
-        except (KeyError, TypeError) as exc:
-            raise GatewayError(f"POST /sessions answered without {exc}: {str(data)[:200]}") from exc
+            data = await self._retry.acall(lambda: self._send("GET", path, None), retry_on=transport_error(resend=True))
+        except (httpx.TransportError, Unavailable) as exc:
+            raise GatewayError(f"GET {path}: {exc}") from exc
+        if not isinstance(data, dict) or not isinstance(data.get("calls"), int):
+            raise GatewayError(f"GET {path} answered without a call count: {str(data)[:200]}")
+        return data["calls"]
 
     async def post_reward(self, session_id: str, value: float) -> None:
         await self._post(f"/sessions/{session_id}/reward", {"value": value, "step": None, "name": "outcome", "weight": 1.0})
@@ -78,9 +91,19 @@ class GatewayClient:
             raise GatewayError(f"POST {path}: {exc}") from exc
 
     async def _post_once(self, path: str, body: dict[str, Any]) -> Any:
-        response = await self._http.post(path, json=body)
+        return await self._send("POST", path, body)
+
+    async def _send(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+        response = await self._http.request(method, path, json=body)
         if response.status_code in (502, 503, 504):
             raise Unavailable(f"HTTP {response.status_code}")
         if response.status_code >= 400:
-            raise GatewayError(f"POST {path}: HTTP {response.status_code}: {response.text[:300]}")
+            raise GatewayError(f"{method} {path}: HTTP {response.status_code}: {response.text[:300]}")
         return response.json() if response.content else None
+
+
+def _handle(path: str, data: Any) -> SessionHandle:
+    try:
+        return SessionHandle(data["session_id"], data["api_key"], data["openai_base_url"], data["anthropic_base_url"])
+    except (KeyError, TypeError) as exc:
+        raise GatewayError(f"POST {path} answered without {exc}: {str(data)[:200]}") from exc

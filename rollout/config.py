@@ -12,6 +12,10 @@
     command = "python my_agent.py"      # any program: endpoint in OPENAI_*/ANTHROPIC_*, task in STEPLINE_TASK_ID
     verify_command = "python my_check.py"   # optional; else the program posts its own reward
     tasks = ["a", "b"]
+    references = {a = "Pine", b = "42"}     # gold answers: session metadata["reference"] (IGPO); true: the module's
+    [rollout.harnesses.tree_search]         # Tree-GRPO rollouts: M chains, then N forks per tree per round
+    trees = 2
+    branches = 2
 """
 
 from __future__ import annotations
@@ -25,7 +29,24 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["HarnessSpec", "RolloutConfig", "load_rollout_config", "list_tasks"]
+__all__ = ["HarnessSpec", "RolloutConfig", "TreeSearch", "load_rollout_config", "list_tasks", "task_references"]
+
+
+class TreeSearch(BaseModel):
+    """Tree-search rollouts (Tree-GRPO): a group is `trees` episodes played to the end, then `rounds` rounds that
+    each fork `branches` episodes per tree at a step boundary drawn at random from the tree's steps (a fork
+    replays the steps before it and samples from there, gateway/forks.py). A group has
+    trees × (1 + branches × rounds) sessions, in place of `group_size`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trees: int = Field(2, ge=1, description="independent episodes per group (M): the roots of its trees")
+    branches: int = Field(1, ge=1, description="forks per tree in each round (N)")
+    rounds: int = Field(1, ge=1, description="rounds of forking (L); a later round may fork an earlier round's forks")
+
+    @property
+    def group_size(self) -> int:
+        return self.trees * (1 + self.branches * self.rounds)
 
 
 class HarnessSpec(BaseModel):
@@ -46,6 +67,11 @@ class HarnessSpec(BaseModel):
         True, description="a module harness plays its episodes in one long-lived worker (`python -m <module>.serve`, "
                           "forking a child per episode) instead of one `run` and one `verify` process per episode; "
                           "a module without a serve submodule falls back to processes")
+    references: bool | dict[str, str] = Field(
+        False, description="put each task's gold answer into its sessions' metadata[\"reference\"] (IGPO): a table "
+                           "task id -> answer, or true for a module's own (`python -m <module>.tasks --references`)")
+    tree_search: TreeSearch | None = Field(None, description="Tree-GRPO rollouts: groups of forked episodes (None: "
+                                           "group_size independent episodes)")
 
     @model_validator(mode="after")
     def _one_program(self) -> HarnessSpec:
@@ -53,6 +79,9 @@ class HarnessSpec(BaseModel):
             raise ValueError(f"harness {self.name!r}: give exactly one of module or command")
         if self.command is not None and not self.tasks:
             raise ValueError(f"harness {self.name!r}: an external command needs a tasks list")
+        if self.references is True and self.module is None:
+            raise ValueError(f"harness {self.name!r}: references = true reads a module's gold answers; an external "
+                             "command gives them as a table {task id = answer}")
         return self
 
 
@@ -87,6 +116,20 @@ def load_rollout_config(job_file: Path) -> RolloutConfig:
     """The [rollout] table of a TOML job file (an empty config if it has none)."""
     with open(job_file, "rb") as f:
         return RolloutConfig.model_validate(tomllib.load(f).get("rollout", {}))
+
+
+def task_references(spec: HarnessSpec, split: str | None = None) -> dict[str, str]:
+    """Gold answers by task id: the spec's table, a module's `tasks --references`, or none."""
+    if isinstance(spec.references, dict) or not spec.references:
+        return dict(spec.references or {})
+    argv = [sys.executable, "-m", f"{spec.module}.tasks", "--split", split or spec.split, "--references"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"harness {spec.name!r}: {' '.join(argv)} failed: {done.stderr.strip()[-300:]}")
+    table = json.loads(done.stdout)
+    if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+        raise RuntimeError(f"harness {spec.name!r}: the tasks command printed no table of gold answers")
+    return table
 
 
 def list_tasks(spec: HarnessSpec, split: str | None = None) -> list[str]:

@@ -1,7 +1,9 @@
 """The rollout driver: runs harness episodes against the gateway, one session per episode.
 
 For each drawn task it opens G sessions (one group, an explicit group id, so GRPO baselines stay
-per task × harness), plays the harness once per session with that session's endpoint, kills it at
+per task × harness; a harness with `tree_search` grows the group as trees of forked sessions instead,
+rollout/trees.py; a task's gold answer, where the harness gives one, goes into every session's
+metadata["reference"]), plays the harness once per session with that session's endpoint, kills it at
 the episode timeout (its whole process group), runs the verifier, posts the reward and ends the
 session. A harness that crashes, hangs or exits non-zero ends as a *failed* episode with a reason
 (reward `failed_reward`, or none if not `score_failed`); a verifier that throws or prints garbage
@@ -39,14 +41,16 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from datapool.records import REFERENCE_KEY
+from rollout import trees
 from rollout import worker as rollout_worker
 from rollout.client import GatewayClient, GatewayError, SessionHandle
-from rollout.config import HarnessSpec, RolloutConfig, list_tasks
+from rollout.config import HarnessSpec, RolloutConfig, list_tasks, task_references
 from rollout.worker import HarnessWorker, WorkerError, WorkerMissing
 
 __all__ = ["EpisodeResult", "HarnessStats", "RolloutDriver", "format_stats", "run_rollouts"]
@@ -156,11 +160,12 @@ class RolloutDriver:
         self.python = python
         self.stats: dict[str, HarnessStats] = {h.name: HarnessStats() for h in config.harnesses}
         self.results: list[EpisodeResult] = []
-        self._slots = asyncio.Semaphore(config.max_concurrency)
+        self.slots = asyncio.Semaphore(config.max_concurrency)
         self._started = time.monotonic()
         self._draw: _TaskDraw | None = None
         self.workers: dict[str, HarnessWorker] = {}  # by module, started on first use
         self._no_worker: set[str] = set()  # modules without a serve submodule
+        self._references: dict[tuple[str, str], dict[str, str]] = {}  # (harness, split) -> task id -> gold answer
 
     async def __aenter__(self) -> RolloutDriver:
         return self
@@ -179,32 +184,38 @@ class RolloutDriver:
                           metadata: dict[str, Any] | None = None) -> EpisodeResult:
         """One episode, retried in a new session (same group) while it fails and retries are left."""
         for attempt in range(self.config.retries + 1):
-            async with self._slots:
+            async with self.slots:
                 result = await self._attempt(spec, task_id, group_id, {**(metadata or {}), "attempt": attempt})
             result.attempt = attempt
-            self.stats[spec.name].add(result)
-            self.results.append(result)
+            self.add_result(spec, result)
             if result.status == "completed":
                 break
             log.warning("%s %s failed (attempt %d): %s", spec.name, task_id, attempt, result.reason)
         return result
 
     async def _attempt(self, spec: HarnessSpec, task_id: str, group_id: str | None, metadata: dict[str, Any]) -> EpisodeResult:
+        result, _ = await self.played(spec, task_id, lambda: self.gateway.open_session(task_id, spec.name, group_id, metadata))
+        return result
+
+    async def played(self, spec: HarnessSpec, task_id: str, open_session: Callable[[], Awaitable[SessionHandle]],
+                      end: bool = True) -> tuple[EpisodeResult, SessionHandle | None]:
+        """Open a session, play and score it, post its reward and (if `end`) end it."""
         started = time.monotonic()
         try:
-            handle = await self.gateway.open_session(task_id, spec.name, group_id, metadata)
+            handle = await open_session()
         except GatewayError as exc:
-            return EpisodeResult(spec.name, task_id, None, "failed", None, False, f"no session: {exc}")
+            return EpisodeResult(spec.name, task_id, None, "failed", None, False, f"no session: {exc}"), None
         out = self.work_dir / handle.session_id
         out.mkdir(parents=True)
         try:
             status, reward, success, reason = await self._play_and_score(spec, task_id, handle, out)
-            reason = await self._report(handle, status, reward, reason)
+            reason = await self._report(handle, status, reward, reason, end)
         finally:
             if not self.config.keep_episodes:
                 shutil.rmtree(out, ignore_errors=True)
-        return EpisodeResult(spec.name, task_id, handle.session_id, status, reward, success, reason,
-                             seconds=time.monotonic() - started)
+        result = EpisodeResult(spec.name, task_id, handle.session_id, status, reward, success, reason,
+                               seconds=time.monotonic() - started)
+        return result, handle
 
     async def _play_and_score(self, spec: HarnessSpec, task_id: str, handle: SessionHandle, out: Path) -> Scored:
         env = self._episode_env(spec, task_id, handle, out)
@@ -279,12 +290,14 @@ class RolloutDriver:
         """How long an answer may take before the worker is taken for hung: its own two timeouts and a grace."""
         return self.config.episode_timeout_s + self.config.verify_timeout_s + rollout_worker.GRACE_S
 
-    async def _report(self, handle: SessionHandle, status: str, reward: float | None, reason: str) -> str:
+    async def _report(self, handle: SessionHandle, status: str, reward: float | None, reason: str,
+                      end: bool = True) -> str:
         """Post the reward and end the session; a gateway error is logged and noted in the reason."""
         try:
             if reward is not None:
                 await self.gateway.post_reward(handle.session_id, reward)
-            await self.gateway.end_session(handle.session_id, status)
+            if end:
+                await self.gateway.end_session(handle.session_id, status)
         except GatewayError as exc:
             log.error("session %s: %s", handle.session_id, exc)
             return f"{reason}; gateway: {exc}"
@@ -315,10 +328,27 @@ class RolloutDriver:
 
     async def run_group(self, spec: HarnessSpec, task_id: str, group_size: int | None = None,
                         metadata: dict[str, Any] | None = None, prefix: str = "") -> list[EpisodeResult]:
-        """G episodes of one task, in one explicit group ("<prefix><task>::<harness>::<random>")."""
+        """G episodes of one task, in one explicit group ("<prefix><task>::<harness>::<random>"); with the
+        harness's `tree_search` and no `group_size` given (evaluation gives 1), its trees of forked episodes
+        instead (rollout/trees.py)."""
         group_id = f"{prefix}{task_id}::{spec.name}::{uuid.uuid4().hex[:12]}"
+        metadata = metadata or {}
+        metadata = {**metadata, **await self._reference(spec, task_id, metadata.get("split", spec.split))}
+        if spec.tree_search is not None and group_size is None:
+            return await trees.run_tree_group(self, spec, task_id, spec.tree_search, group_id, metadata)
         size = group_size or self.config.group_size
         return list(await asyncio.gather(*(self.run_episode(spec, task_id, group_id, metadata) for _ in range(size))))
+
+    async def _reference(self, spec: HarnessSpec, task_id: str, split: str) -> dict[str, str]:
+        """{"reference": gold answer} where the harness gives one for the task (IGPO), else {}."""
+        if (spec.name, split) not in self._references:
+            self._references[spec.name, split] = await asyncio.to_thread(task_references, spec, split)
+        answer = self._references[spec.name, split].get(task_id)
+        return {} if answer is None else {REFERENCE_KEY: answer}
+
+    def add_result(self, spec: HarnessSpec, result: EpisodeResult) -> None:
+        self.stats[spec.name].add(result)
+        self.results.append(result)
 
     async def run(self, num_groups: int | None, stop: asyncio.Event | None = None) -> dict[str, dict[str, float]]:
         """Draw (harness by weight, then its next task) and run groups until num_groups are done or

@@ -42,6 +42,8 @@ class Batch:
     step_call: torch.Tensor  # int64 [S]: call index of the step
     step_reward: torch.Tensor  # float32 [S]: dense per-step reward
     step_state: torch.Tensor  # int64 [S]: anchor-state id: equal for steps whose observation tokens are equal
+    episode_parent: torch.Tensor  # int64 [E]: the episode this one was forked from in the batch (-1: none)
+    episode_branch: torch.Tensor  # int64 [E]: the call where it branched (0 for a root episode)
     token_rows: dict[tuple[int, int], int]  # (episode, call_index) -> the step row that owns the call's tokens
     contexts: list[np.ndarray]  # S views int32 [P]: each step's state s_t, the tokens before its action
     references: list[np.ndarray | None]  # E: token ids of the episode's gold answer (IGPO), None if it has none
@@ -63,7 +65,8 @@ class Batch:
         return AdvantageInputs(outcome=self.outcome, episode_group=self.episode_group,
                                step_episode=self.step_episode, step_traj=self.step_traj,
                                step_position=self.step_position, step_reward=self.step_reward, values=values,
-                               step_state=self.step_state, gold_prob=gold_prob)
+                               step_state=self.step_state, gold_prob=gold_prob, step_call=self.step_call,
+                               episode_parent=self.episode_parent, episode_branch=self.episode_branch)
 
 
 @dataclass
@@ -120,6 +123,7 @@ def build_batch(groups: list[Group], keep_group: Callable[[Group], str | None] =
                 rows["state"].append(states.setdefault(observation(traj, position), len(states)))
                 contexts.append(traj.tokens[:step.action_start])
             traj_counter += 1
+    parent, branch = fork_links(episodes)
     return Batch(
         episodes=episodes,
         outcome=torch.tensor([ep.outcome + shaping(ep) for ep in episodes], dtype=torch.float32),
@@ -130,6 +134,8 @@ def build_batch(groups: list[Group], keep_group: Callable[[Group], str | None] =
         step_reward=torch.tensor(rows["reward"], dtype=torch.float32),
         step_call=torch.tensor(rows["call"], dtype=torch.int64),
         step_state=torch.tensor(rows["state"], dtype=torch.int64),
+        episode_parent=parent,
+        episode_branch=branch,
         token_rows=token_rows,
         contexts=contexts,
         references=[reference_ids(ep) for ep in episodes],
@@ -137,6 +143,22 @@ def build_batch(groups: list[Group], keep_group: Callable[[Group], str | None] =
         sessions={g.group_id: [ep.info.session_id for ep in g.episodes] for g in groups},
         skipped=skipped,
     )
+
+
+def fork_links(episodes: list[EpisodeData]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent [E], branch [E]) from the sessions' fork links (SessionInfo.fork_of): the index of the episode a
+    fork was forked from, if it is in the batch and in the same group (else -1: it is a root), and the call
+    where it branched: the asked one, or its first recorded call where its harness diverged earlier."""
+    index = {ep.info.session_id: e for e, ep in enumerate(episodes)}
+    parent, branch = [], []
+    for ep in episodes:
+        link = ep.info.fork_of
+        source = -1 if link is None else index.get(link.session_id, -1)
+        if source >= 0 and episodes[source].info.group_key != ep.info.group_key:
+            source = -1
+        parent.append(source)
+        branch.append(0 if link is None else min([link.call, *ep.tree.calls]))
+    return torch.tensor(parent, dtype=torch.int64), torch.tensor(branch, dtype=torch.int64)
 
 
 def observation(traj: Trajectory, position: int) -> bytes:

@@ -19,11 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from datapool.records import EpisodeData
+from datapool.records import REFERENCE_KEY, EpisodeData
 
 __all__ = ["REFERENCE_KEY", "gold_probabilities", "reference_ids"]
 
-REFERENCE_KEY = "reference"  # the session-metadata key of the gold answer
 
 
 def reference_ids(model_dir: Path, template: str = "{reference}") -> Callable[[EpisodeData], np.ndarray | None]:

@@ -37,12 +37,20 @@ def failed(reason: str) -> Verdict:
     return Verdict(reward=0.0, success=False, reason=reason)
 
 
-def tasks_command(split_ids: Callable[[str], list[str]]) -> click.Command:
-    """`--split` -> prints the split's task ids as one JSON list."""
+def tasks_command(split_ids: Callable[[str], list[str]],
+                  references: Callable[[str], dict[str, str]] | None = None) -> click.Command:
+    """`--split` -> prints the split's task ids as one JSON list; `--references` (for a harness whose tasks
+    have a gold answer) -> prints {task id: gold answer} instead (IGPO's reference)."""
 
     @click.command()
     @click.option("--split", type=click.Choice(SPLITS), default="train", show_default=True)
-    def tasks(split: str) -> None:
+    @click.option("--references", "with_references", is_flag=True, help="print {task id: gold answer}")
+    def tasks(split: str, with_references: bool) -> None:
+        if with_references:
+            if references is None:
+                raise click.UsageError("this harness's tasks have no gold answers")
+            click.echo(json.dumps(references(split)))
+            return
         click.echo(json.dumps(split_ids(split)))
 
     return tasks

@@ -8,7 +8,12 @@ def split_ids(split: str) -> list[str]:
     return [task.id for task in tasks() if task.split == split]
 
 
-main = tasks_command(split_ids)
+def references(split: str) -> dict[str, str]:
+    """Each task's gold answer (the verifier's), for IGPO's information gain."""
+    return {task.id: task.answer for task in tasks() if task.split == split}
+
+
+main = tasks_command(split_ids, references)
 
 if __name__ == "__main__":
     main()

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hmac
+import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, TypeVar
 
 import numpy as np
@@ -29,6 +30,7 @@ from datapool.records import CallRecord
 from gateway import metrics
 from gateway.config import GatewaySettings
 from gateway.engines import EngineError, EngineRouter, EngineUnavailable, Generation, SamplingParams, StreamDelta
+from gateway.forks import Replayed
 from gateway.frontends.errors import ApiError, from_validation, invalid
 from gateway.parsers import make_parser
 from gateway.parsers.base import StreamParser, ToolSpecs
@@ -38,6 +40,7 @@ from gateway.sessions import Session, SessionStore
 from gateway.templating import ChatTemplate, Message
 from gateway.weights import Paused, WeightGate
 
+log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
 
@@ -208,9 +211,24 @@ class Core:
                 f"{self.profile.tool_parser} tool-call format")
 
     # --- dispatch ---
+    def replayed(self, session: Session, prompt_ids: np.ndarray, n: int) -> list[Replayed] | None:
+        """A fork before its branch point: the source's recorded answers to this prompt (gateway/forks.py)."""
+        replay = session.replay
+        if replay is None:
+            return None
+        gens = replay.serve(prompt_ids, n)
+        if gens is None:
+            session.replay = None
+            if replay.diverged:
+                log.warning("fork %s: the harness sent another prompt than the recorded one at call %d; it "
+                            "branches there", session.info.session_id, session.next_call)
+        return gens
+
     async def generate(self, session: Session, prompt_ids: np.ndarray,
                        samplings: list[SamplingParams]) -> tuple[list[Generation], int]:
         """One engine request per choice, concurrently; returns the generations and the weight version."""
+        if (replayed := self.replayed(session, prompt_ids, len(samplings))) is not None:
+            return list(replayed), replayed[0].weight_version
         if not self.recorder.has_capacity():
             raise self._overloaded
         ids = prompt_ids  # int32 array: the adapters serialise it natively
@@ -229,6 +247,8 @@ class Core:
                           samplings: list[SamplingParams]) -> EngineStream:
         """Start the engine streams and wait for the first chunk, so that failures before any token
         still get a proper error status (the SSE headers are not sent yet)."""
+        if (replayed := self.replayed(session, prompt_ids, len(samplings))) is not None:
+            return EngineStream.whole(replayed, self)
         if not self.recorder.has_capacity():
             raise self._overloaded
         ids = prompt_ids  # int32 array: the adapters serialise it natively
@@ -269,7 +289,11 @@ class Core:
                sampling: SamplingParams, version: int, timings: dict[str, float], request_body: bytes,
                answer: dict) -> int:
         """Queue the call's record; returns its call index. The recorder's worker thread zstd-compresses
-        the request and answer bytes, off the event loop."""
+        the request and answer bytes, off the event loop. A replayed answer (a fork) is not recorded again:
+        it keeps its source's call index."""
+        if isinstance(gen, Replayed):
+            session.next_call = max(session.next_call, gen.call_index + 1)
+            return gen.call_index
         index = session.take_call_index()
         record = CallRecord(
             session_id=session.info.session_id,
@@ -317,6 +341,17 @@ class EngineStream:
         self._admit = admit
         self._core = core
         self._engine = engine
+
+    @classmethod
+    def whole(cls, gens: Sequence[Generation], core: Core) -> EngineStream:
+        """Finished generations as a stream: one chunk per choice (a fork's replayed answers)."""
+        chunks = [(i, StreamDelta(g.output_ids, g.logprobs, g.text, final=g)) for i, g in enumerate(gens)]
+
+        async def rest() -> AsyncIterator[tuple[int, StreamDelta]]:
+            for chunk in chunks[1:]:
+                yield chunk
+
+        return cls(gens[0].weight_version, chunks[0], rest(), nullcontext(), core, None)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, StreamDelta]]:
         if self._first is not None:

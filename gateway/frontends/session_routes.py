@@ -1,8 +1,10 @@
-"""`POST /sessions`, `POST /sessions/<id>/reward`, `POST /sessions/<id>/end`.
+"""`POST /sessions`, `GET /sessions/<id>`, `POST /sessions/<id>/reward`, `/end` and `/fork`.
 
-Creating a session needs the admin token when one is configured. Rewards and ends need the session's
-own key or the admin token (a key of another session → 403); with no admin token configured, a
-request without a key is accepted. Each answers once the pool has committed the write.
+Creating a session needs the admin token when one is configured. Reading, rewarding, ending and forking
+one need the session's own key or the admin token (a key of another session → 403); with no admin token
+configured, a request without a key is accepted. Each write answers once the pool has committed it.
+A fork (gateway/forks.py) is a new session of the same task, harness and group that replays the source's
+calls before `call` and samples from there.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from datapool.base import PoolError, UnknownSession
-from datapool.records import Reward
+from datapool.records import FORK_KEY, Reward
+from gateway.forks import Replay, recorded_prefix
 from gateway.frontends.core import Core, bearer_key
 from gateway.frontends.errors import ApiError, from_validation
 from gateway.sessions import Session
@@ -32,6 +35,11 @@ class NewSession(_Body):
     harness: str = Field(min_length=1, max_length=256)
     group_id: str | None = Field(None, max_length=1024)
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class ForkBody(_Body):
+    call: int = Field(ge=0, description="the call the fork samples anew: calls 0..call-1 are the source's")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="added to the source's metadata")
 
 
 class RewardBody(_Body):
@@ -74,15 +82,22 @@ class SessionRoutes:
         self.admin_token = core.settings.admin_token
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post("/sessions", self.create), web.post("/sessions/{session}/reward", self.reward),
-                web.post("/sessions/{session}/end", self.end)]
+        return [web.post("/sessions", self.create), web.get("/sessions/{session}", self.show),
+                web.post("/sessions/{session}/reward", self.reward), web.post("/sessions/{session}/end", self.end),
+                web.post("/sessions/{session}/fork", self.fork)]
 
     async def create(self, request: web.Request) -> web.Response:
         if self.admin_token is not None and not _is_admin(request, self.admin_token):
             raise ApiError(401, "creating a session needs the admin token (Authorization: Bearer <token>)")
         _, data = await self.core.read_json(request)
         body: NewSession = _parse(NewSession, data)
+        if FORK_KEY in body.metadata:
+            raise ApiError(400, f"metadata.{FORK_KEY} is set by POST /sessions/<id>/fork", param=f"metadata.{FORK_KEY}")
         session = self.core.sessions.new(body.task_id, body.harness, body.group_id, body.metadata)
+        return await self._open(request, session)
+
+    async def _open(self, request: web.Request, session: Session) -> web.Response:
+        """Commit a new session to the pool, make it callable and answer its endpoint and key."""
         try:
             await self.core.recorder.create_session(session.info)
         except PoolError as exc:
@@ -91,8 +106,36 @@ class SessionRoutes:
         base = (self.core.settings.public_url or f"{request.scheme}://{request.host}").rstrip("/")
         sid = session.info.session_id
         answer = {"session_id": sid, "api_key": session.api_key, "openai_base_url": f"{base}/s/{sid}/v1",
-                  "anthropic_base_url": f"{base}/s/{sid}"}
+                  "anthropic_base_url": f"{base}/s/{sid}", FORK_KEY: session.info.metadata.get(FORK_KEY)}
         return web.Response(status=201, body=orjson.dumps(answer), content_type="application/json")
+
+    async def show(self, request: web.Request) -> web.Response:
+        session = self._owned(request)
+        info = session.info
+        answer = {"session_id": info.session_id, "task_id": info.task_id, "harness": info.harness,
+                  "group_id": info.group_id, "calls": session.next_call, "ended": session.ended,
+                  FORK_KEY: info.metadata.get(FORK_KEY)}
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    async def fork(self, request: web.Request) -> web.Response:
+        source = self._owned(request)
+        _, data = await self.core.read_json(request)
+        body: ForkBody = _parse(ForkBody, data)
+        sid, info = source.info.session_id, source.info
+        if body.call >= source.next_call:
+            raise ApiError(400, f"call {body.call} is not a call of session {sid} (it has {source.next_call})",
+                           param="call")
+        if FORK_KEY in body.metadata:
+            raise ApiError(400, f"metadata.{FORK_KEY} is the fork's link, set by the gateway", param=f"metadata.{FORK_KEY}")
+        try:  # after every call of the source queued before (the recorder reads in order)
+            calls = await self.core.recorder.read(lambda pool: recorded_prefix(pool, sid, body.call))
+        except PoolError as exc:
+            raise _pool_error(exc) from None
+        metadata = {**info.metadata, **body.metadata, FORK_KEY: {"session": sid, "call": body.call}}
+        session = self.core.sessions.new(info.task_id, info.harness, info.group_id, metadata)
+        template = self.core.template
+        session.replay = Replay(calls, template.stop_token_ids, template.decode)
+        return await self._open(request, session)
 
     def _owned(self, request: web.Request) -> Session:
         """The session in the URL, if the caller may act on it."""

@@ -151,7 +151,8 @@ def test_forks_share_the_episode_outcome() -> None:
 def test_no_nan_anywhere_on_degenerate_batches() -> None:
     x = one_step_each(torch.tensor([3.0]), torch.tensor([0]))
     x = AdvantageInputs(**{**x.__dict__, "values": torch.tensor([0.0]), "step_state": torch.tensor([0]),
-                          "gold_prob": torch.tensor([0.5])})
+                          "gold_prob": torch.tensor([0.5]), "step_call": torch.tensor([0]),
+                          "episode_parent": torch.tensor([-1]), "episode_branch": torch.tensor([0])})
     for name, fn in ADVANTAGES.items():
         adv = fn(x)
         assert not torch.isnan(adv).any(), name
@@ -199,3 +200,49 @@ def test_gigpo_adds_step_groups_of_equal_anchor_states() -> None:
     close(adv, [5 / 12, 7 / 12, -5 / 6, -11 / 12, 5 / 12, 1 / 3, 0.0])
     with pytest.raises(ValueError, match="step_state"):
         ADVANTAGES["gigpo"](one_step_each())
+
+
+def tree_inputs(outcome: list[float], group: list[int], steps: list[tuple[int, int]], parent: list[int],
+                branch: list[int]) -> AdvantageInputs:
+    """Steps as (episode, call index); positions numbered per episode in the order given."""
+    episode = torch.tensor([e for e, _ in steps])
+    position = torch.tensor([sum(1 for f, _ in steps[:i] if f == e) for i, (e, _) in enumerate(steps)])
+    return AdvantageInputs(torch.tensor(outcome), torch.tensor(group), step_episode=episode, step_traj=episode,
+                           step_position=position, step_call=torch.tensor([c for _, c in steps]),
+                           episode_parent=torch.tensor(parent), episode_branch=torch.tensor(branch))
+
+
+def test_tree_grpo_is_intra_plus_inter_tree_relative_at_each_subtree() -> None:
+    # one group: tree 1 = A (calls 0, 1, 2), B forked from A at call 1 (calls 1, 2), C forked from A at call 2
+    # (call 2); tree 2 = D alone (calls 0, 1). R: A 1, B 0, C 1, D 0.
+    # tree 1: mean 2/3, unbiased std sqrt((1/9 + 4/9 + 1/9) / 2) = 1/√3; group: mean 1/2, std sqrt(4·(1/4) / 3) = 1/√3
+    # leaves below each step: A0 {A, B, C} V = 2/3; A1 {A, C} (B shares only call 0) V = 1; A2 {A} V = 1;
+    #   B1, B2 {B} V = 0; C2 {C} V = 1; D0, D1 {D} V = 0 (a tree of one adds no intra term)
+    # A = √3·(V − 2/3) + √3·(V − 1/2):  A0 = √3/6 = 0.288675;  V = 1 -> √3·(1/3 + 1/2) = 1.443376;
+    #   B -> √3·(−2/3 − 1/2) = −2.020726;  D -> √3·(−1/2) = −0.866025
+    x = tree_inputs([1.0, 0.0, 1.0, 0.0], [0, 0, 0, 0], [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2), (3, 0), (3, 1)],
+                    parent=[-1, 0, 0, -1], branch=[0, 1, 2, 0])
+    adv = ADVANTAGES["tree_grpo"](x, eps=0.0)
+    close(adv, [0.288675, 1.443376, 1.443376, -2.020726, -2.020726, 1.443376, -0.866025, -0.866025])
+    # the better sibling at the branching node (state after A's call 0) gets the larger advantage
+    assert adv[1] > adv[3]
+    with pytest.raises(ValueError, match="episode_parent"):
+        ADVANTAGES["tree_grpo"](one_step_each())
+
+
+def test_tree_grpo_fork_of_a_fork_before_its_branch_shares_only_the_common_prefix() -> None:
+    # A (calls 0, 1, 2) R 1; B forked from A at call 2 (call 2) R 1; C forked from B at call 1 (calls 1, 2) R 0:
+    # C passes through A's calls < min(1, 2) = 1 only. One tree = the group: mean 2/3, std 1/√3, A = 2√3·(V − 2/3)
+    # A0 {A, B, C} V = 2/3 -> 0; A1 {A, B} V = 1 -> 2√3/3 = 1.154701; A2 {A} -> 1.154701; B2 {B} -> 1.154701;
+    # C1, C2 {C} V = 0 -> −4√3/3 = −2.309401
+    x = tree_inputs([1.0, 1.0, 0.0], [0, 0, 0], [(0, 0), (0, 1), (0, 2), (1, 2), (2, 1), (2, 2)],
+                    parent=[-1, 0, 1], branch=[0, 2, 1])
+    close(ADVANTAGES["tree_grpo"](x, eps=0.0), [0.0, 1.154701, 1.154701, 1.154701, -2.309401, -2.309401])
+
+
+def test_tree_grpo_without_forks_is_grpo() -> None:
+    e = torch.arange(len(OUTCOME))
+    x = AdvantageInputs(OUTCOME, GROUP, step_episode=e, step_traj=e, step_position=torch.zeros_like(e),
+                        step_call=torch.zeros_like(e), episode_parent=torch.full_like(e, -1),
+                        episode_branch=torch.zeros_like(e))
+    close(ADVANTAGES["tree_grpo"](x), ADVANTAGES["grpo"](x).tolist())

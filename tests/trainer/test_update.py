@@ -11,7 +11,7 @@ import pytest
 import torch
 from trainer_helpers import FakeCall, episode_from_calls
 
-from datapool.records import Group
+from datapool.records import EpisodeData, Group
 from trainer.batch import build_batch, token_view
 from trainer.config import TrainerConfig
 from trainer.loop import build_policy, objective
@@ -248,3 +248,32 @@ def test_count_abandoned_decides_whether_an_abandoned_episode_trains(tiny_model_
     cfg = TrainerConfig(model_dir=tiny_model_dir, count_abandoned=count_abandoned)
     batch = build_batch([group], keep_episode=episode_filter(cfg))
     assert batch.outcome.numel() == (4 if count_abandoned else 3)  # left out of the baseline too
+
+
+def as_fork(ep: EpisodeData, source: str, call: int, shift: int) -> EpisodeData:
+    """The episode as a fork of `source` at `call` whose own calls are numbered from `shift` (as the gateway
+    numbers a fork's calls after its replayed ones)."""
+    ep.info.metadata["fork_of"] = {"session": source, "call": call}
+    ep.tree.calls = {c + shift: v for c, v in ep.tree.calls.items()}
+    for node in ep.tree.nodes:
+        node.call_index += shift
+    for traj in ep.trajectories:
+        for step in traj.steps:
+            step.call_index += shift
+    return ep
+
+
+def test_fork_links_reach_tree_grpo(tiny_model_dir: Path, tmp_path: Path) -> None:
+    groups = toy_groups(2)
+    eps = groups[0].episodes
+    as_fork(eps[1], "g0s0", 1, shift=1)  # calls 1, 2: branched where asked
+    as_fork(eps[2], "g0s1", 2, shift=1)  # a fork of the fork whose own calls start at 1: branched at 1
+    as_fork(eps[3], "elsewhere", 1, shift=1)  # its source is not in the batch: a root
+    as_fork(groups[1].episodes[0], "g0s0", 1, shift=1)  # another group's session is no parent
+    batch = build_batch(groups)
+    assert batch.episode_parent.tolist() == [-1, 0, 1, -1, -1, -1, -1, -1]
+    assert batch.episode_branch.tolist() == [0, 1, 1, 1, 1, 0, 0, 0]
+    assert batch.step_call[batch.step_episode == 1].tolist() == [1, 2]
+    cfg, policy = policy_for(tiny_model_dir, tmp_path, advantage="tree_grpo")
+    m = update(policy, batch, objective(cfg, 0, False), version=0)
+    assert math.isfinite(m["policy_loss"]) and m["adv_max"] > 0

@@ -31,6 +31,11 @@ class AdvantageInputs:
     step_state: Tensor | None = None  # long [S]: anchor-state id of each step (equal ids = same observation; GiGPO)
     # float [S]: the policy's probability of the episode's gold answer given the step's state s_t (IGPO)
     gold_prob: Tensor | None = None
+    step_call: Tensor | None = None  # long [S]: the call index of each step (forks keep their source's numbering)
+    # long [E]: the episode each one was forked from (-1: a root episode), and the call where it branched: it
+    # shares its parent's calls before that call (as context) and sampled its own from it (Tree-GRPO)
+    episode_parent: Tensor | None = None
+    episode_branch: Tensor | None = None
 
 
 def group_index(keys: Sequence[str]) -> Tensor:
@@ -290,6 +295,73 @@ def igpo(x: AdvantageInputs, *, gamma: float = 1.0, eps: float = 1e-6) -> Tensor
     return _discounted_suffix_sum(normalised, row, x.step_position, gamma)
 
 
+def subtree_leaves(step_episode: Tensor, step_call: Tensor, parent: Tensor, branch: Tensor) -> Tensor:
+    """bool [S, E]: below[s, l] = episode l's trajectory passes through step s (l is a leaf of s's subtree).
+
+    Episode l contains all its own steps and, up its chain of forks, the steps of each ancestor with a call
+    index below the smallest branch point on the way (a fork of a fork at call k, earlier than the fork's own
+    branch, shares only the first k calls of their common source)."""
+    num = parent.numel()
+    big = torch.iinfo(torch.long).max
+    limit = torch.zeros(num, num, dtype=torch.long)  # limit[e, l]: l passes through e's calls < limit
+    for leaf in range(num):
+        limit[leaf, leaf] = big
+        node, bound = leaf, big
+        for _ in range(num):
+            if int(parent[node]) < 0:
+                break
+            bound = min(bound, int(branch[node]))
+            node = int(parent[node])
+            limit[node, leaf] = bound
+        else:
+            raise ValueError("episode_parent has a cycle")
+    return step_call[:, None] < limit[step_episode]
+
+
+def _relative(value: Tensor, outcome: Tensor, segment: Tensor, step_episode: Tensor, scale_by_std: bool,
+              eps: float) -> Tensor:
+    """(value − mean_k R) [/ (std_k R + eps)] per step row, k = the segment (episodes) of the step's episode;
+    0 where the segment's outcomes are all equal (a segment of one included). value [S] -> [S]."""
+    g, num = compact(segment)
+    n = segment_count(g, num).to(outcome.dtype)
+    mean = segment_sum(outcome, g, num) / n
+    centred = value - mean[g][step_episode]
+    if scale_by_std:
+        std = (segment_sum((outcome - mean[g]) ** 2, g, num) / (n - 1).clamp(min=1)).sqrt()
+        centred = centred / (std[g][step_episode] + eps)
+    varies = segment_max(outcome, g, num) > segment_min(outcome, g, num)
+    return torch.where(varies[g][step_episode], centred, torch.zeros_like(centred))
+
+
+@torch.no_grad()
+def tree_grpo(x: AdvantageInputs, *, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """Tree-GRPO (Ji et al. 2025, "Tree Search for LLM Agent Reinforcement Learning", arXiv:2509.21240; seed
+    summary 002): episodes branch (forks share their source's steps before the branch point), and each
+    step's advantage is group-relative both within its tree and across the group's trees.
+
+    Per leaf l (an episode) of tree T in group G the paper's advantage is
+        Â_l = (R_l − mean_T R) / (std_T R + eps)  +  (R_l − mean_G R) / (std_G R + eps)   (intra + inter tree).
+    A step shared by several leaves is trained once (docs/architecture.md §2.2), so it takes the mean of Â over
+    the leaves of its subtree, which by linearity is the same formula with V_s = mean R of those leaves:
+        A_s = (V_s − mean_T R) / (std_T R + eps)  +  (V_s − mean_G R) / (std_G R + eps).
+    At a branching node the sibling subtrees differ by their V: the better branch gets the larger advantage
+    (the paper's implicit step-level preference). std is unbiased; a tree or group whose rewards are all
+    equal adds 0. Without forks every tree is one episode and this is GRPO. Needs x.step_call,
+    x.episode_parent and x.episode_branch (the pool's fork links; the trainer fills them in).
+    """
+    if x.step_call is None or x.episode_parent is None or x.episode_branch is None:
+        raise ValueError("tree_grpo needs step_call [S], episode_parent [E] and episode_branch [E]")
+    below = subtree_leaves(x.step_episode, x.step_call, x.episode_parent, x.episode_branch)
+    outcome = x.outcome
+    value = (below.to(outcome.dtype) * outcome).sum(1) / below.sum(1).to(outcome.dtype)
+    root = torch.arange(outcome.numel())
+    while bool((up := x.episode_parent[root] >= 0).any()):
+        root = torch.where(up, x.episode_parent[root], root)
+    intra = _relative(value, outcome, root, x.step_episode, scale_by_std, eps)
+    inter = _relative(value, outcome, x.episode_group, x.step_episode, scale_by_std, eps)
+    return intra + inter
+
+
 ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "grpo": grpo,
     "dr_grpo": dr_grpo,
@@ -301,4 +373,5 @@ ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "gigpo": gigpo,
     "capo": capo,
     "igpo": igpo,
+    "tree_grpo": tree_grpo,
 }
