@@ -327,7 +327,8 @@ class Core:
         first = timings["first_token"] - timings["received"] if "first_token" in timings else None
         for gen in gens:
             metrics.observe_call(api, stream, gen.finish_reason, timings["done"] - timings["received"],
-                                 prompt_len, len(gen.output_ids), first)
+                                 prompt_tokens=prompt_len, completion_tokens=len(gen.output_ids),
+                                 first_token_seconds=first)
 
 
 class EngineStream:
