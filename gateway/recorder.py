@@ -75,14 +75,14 @@ TUNING: Tuning = {"max_queue": 10_000, "batch_size": 256, "flush_interval": 0.02
 
 class Recorder:
     def __init__(self, pool: Pool, spill: Spill | None = None, **tuning: Unpack[Tuning]) -> None:
-        knobs = {**TUNING, **tuning}
+        knobs: Tuning = {**TUNING, **tuning}
         self.pool = pool
         self.spill = spill
-        self.max_queue = int(knobs["max_queue"])
-        self.batch_size = int(knobs["batch_size"])
-        self.flush_interval = float(knobs["flush_interval"])
-        self.max_backoff = float(knobs["max_backoff"])
-        self.close_timeout = float(knobs["close_timeout"])
+        self.max_queue = knobs["max_queue"]
+        self.batch_size = knobs["batch_size"]
+        self.flush_interval = knobs["flush_interval"]
+        self.max_backoff = knobs["max_backoff"]
+        self.close_timeout = knobs["close_timeout"]
         # The event loop only ever puts into the inbox (a C-level queue: no Python lock to contend for
         # with the worker); the worker moves items to `_pending` and pops them once written.
         self._inbox: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # None: wake up, we close
