@@ -13,31 +13,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import orjson
 from aiohttp import web
 
-from gateway import metrics, reaper
+from gateway import reaper
 from gateway.admin import admin_routes
 from gateway.config import GatewaySettings
 from gateway.engines import EngineRouter
 from gateway.frontends import chat, completions, messages, responses
-from gateway.frontends.core import UNSYNCED, Core
-from gateway.frontends.errors import ApiError, Flavour, error_response
+from gateway.frontends.errors import Flavour
+from gateway.frontends.pipeline import Core, Handler, error_boundary, model_route
 from gateway.frontends.session_routes import SessionRoutes
 from gateway.metrics import metrics_routes
 from gateway.profile import detect
 from gateway.recorder import Recorder
-from gateway.sessions import SessionStore
 from gateway.templating import load_template
 from gateway.tool_prompt import injector
 from gateway.weights import WeightGate
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[Core, web.Request], Awaitable[web.StreamResponse]]
 
 MODEL_APIS: dict[str, tuple[str, Handler]] = {
     "chat/completions": ("chat.completions", chat.handle),
@@ -61,38 +58,6 @@ def _api(path: str) -> str:
     return "sessions" if path.startswith("/sessions") else "other"
 
 
-@web.middleware
-async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Every failure becomes an answer in the caller's API format; nothing escapes as a bare 500."""
-    try:
-        return await handler(request)
-    except ApiError as err:
-        metrics.observe_error(_api(request.path), err.status)
-        return error_response(_flavour(request.path), err)
-    except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
-        if exc.status < 400:
-            raise
-        metrics.observe_error(_api(request.path), exc.status)
-        message = "the request body is too large" if exc.status == 413 else exc.reason
-        return error_response(_flavour(request.path), ApiError(exc.status, message))
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        metrics.observe_error(_api(request.path), 500)
-        return error_response(_flavour(request.path), ApiError(500, "internal gateway error (logged)"))
-
-
-def _model_route(core: Core, handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    async def route(request: web.Request) -> web.StreamResponse:
-        token = UNSYNCED.set([])
-        try:
-            response = await handler(core, request)
-            await core.durable()  # a non-stream answer leaves only once its calls are durable
-            return response
-        finally:
-            UNSYNCED.reset(token)
-    return route
-
-
 def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Recorder, gate: WeightGate,
                model_dir: Path) -> web.Application:
     template = load_template(model_dir, settings.eot_token)
@@ -100,19 +65,17 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
     log.info("model profile: %s", profile.describe())
     if settings.inject_tools and not profile.tools_supported:
         template = template.with_tool_injection(injector(profile.tool_parser))
-    strict = settings.strict_template or not profile.append_only
-    sessions = SessionStore(template, strict, settings.max_live_sessions)
-    core = Core(settings, router, recorder, gate, template, sessions, profile)
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
+    core = Core(settings, router, recorder, gate, template, profile)
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_boundary(_flavour, _api)])
     app[CORE_KEY] = core
     app.cleanup_ctx.append(_reaping(core))
     for prefix in ("/v1", "/s/{session}/v1"):
         for path, (_, handler) in MODEL_APIS.items():
-            app.router.add_post(f"{prefix}/{path}", _model_route(core, handler))
-        app.router.add_get(f"{prefix}/models", _model_route(core, list_models))
-        app.router.add_post(f"{prefix}/messages/count_tokens", _model_route(core, messages.count_tokens))
+            app.router.add_post(f"{prefix}/{path}", model_route(core, handler))
+        app.router.add_get(f"{prefix}/models", model_route(core, list_models))
+        app.router.add_post(f"{prefix}/messages/count_tokens", model_route(core, messages.count_tokens))
     app.router.add_routes(SessionRoutes(core).routes())
-    app.router.add_get("/health", _model_route(core, health))
+    app.router.add_get("/health", model_route(core, health))
     app.router.add_routes(admin_routes(gate, settings.admin_token))
     app.router.add_routes(metrics_routes(router))
     return app

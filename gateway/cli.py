@@ -18,12 +18,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import click
 from aiohttp import web
 
 from datapool.base import Pool
+from gateway.config import GatewaySettings
 from gateway.engines import ENGINE_KINDS, EngineRouter, make_engine
 from gateway.engines.probe import EngineMismatch, check_engines
 from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
@@ -49,36 +51,34 @@ class Gateway:
 
 @asynccontextmanager
 async def running_gateway(
-    settings,  # gateway.config.GatewaySettings
+    settings: GatewaySettings,
     engine_urls: list[str],
     model_dir: Path,
     pool: Pool,
     engine_kind: str = "builtin",
     engine_timeout: float = 600.0,
-    initial_version: int = 0,
-    max_connections: int = 4096,
-    engine_token: str | None = None,
 ) -> AsyncIterator[Gateway]:
     """Serve the gateway on settings.host:settings.port (0: a free port) until the block exits.
-    The pool is not closed here (the caller opened it). engine_token: sent as Bearer on every engine
-    call (the built-in engine's --control-token; SGLang's and vLLM's --api-key)."""
+    The pool is not closed here (the caller opened it). The engines get `settings.engine_token` as
+    Bearer on every call and are taken to serve `settings.initial_version`."""
     from gateway.app import create_app
 
     # one upstream session for every engine call (docs/architecture.md §6); aiohttp's default of 100 connections
     # would cap the calls in flight
-    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=max_connections)
-    headers = {"Authorization": f"Bearer {engine_token}"} if engine_token else None
+    limit = settings.max_connections
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit)
+    headers = {"Authorization": f"Bearer {settings.engine_token}"} if settings.engine_token else None
     async with aiohttp.ClientSession(connector=connector, headers=headers) as http:
         router = EngineRouter([make_engine(u, engine_kind, http, engine_timeout, model_dir) for u in engine_urls])
         recorder = Recorder(pool, spill=Spill(settings.spill_path) if settings.spill_path else None)
-        gate = WeightGate(router, max_wait=settings.max_wait_paused, initial_version=initial_version)
+        gate = WeightGate(router, max_wait=settings.max_wait_paused, initial_version=settings.initial_version)
         await router.start()
         try:  # the engines' model and context length against model_dir (gateway.engines.probe)
-            limit = await check_engines(router.clients, model_dir, settings.context_length)
+            context = await check_engines(router.clients, model_dir, settings.context_length)
         except BaseException:
             await router.aclose()
             raise
-        settings = settings.model_copy(update={"context_length": limit})
+        settings = settings.model_copy(update={"context_length": context})
         await recorder.start()
         app = create_app(settings, router, recorder, gate, model_dir)
         # handler_cancellation: a client that hangs up cancels its handler, and with it the engine request
@@ -157,7 +157,7 @@ async def running_gateway(
     "--spill",
     "spill_path",
     default=None,
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(dir_okay=False),
     help="Spill file: calls acknowledged while the pool is unreachable (or at shutdown) are kept here and "
     "written at the next start; answers wait until each call is in the pool or this file.",
 )
@@ -167,74 +167,38 @@ async def running_gateway(
               "sessions created longer ago: those a killed gateway left behind).")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
 def gateway_command(
-    engines: tuple[str, ...],
-    engine_kind: str,
-    model_dir: Path,
-    pool_url: str,
-    host: str,
-    port: int,
-    admin_token: str | None,
-    public_url: str | None,
-    model_name: str,
-    context_length: int | None,
-    strict_template: bool,
-    tool_parser: str | None,
-    reasoning_parser: str | None,
-    eot_token: str | None,
-    inject_tools: bool,
-    engine_token: str | None,
-    spill_path: Path | None,
-    engine_timeout: float,
-    session_idle_timeout: float,
-    initial_version: int,
+    engines: tuple[str, ...], engine_kind: str, model_dir: Path, pool_url: str, engine_timeout: float, **options: Any
 ) -> None:
     """Run the recording gateway in front of one or more engines."""
     from datapool import open_pool
-    from gateway.config import GatewaySettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = GatewaySettings(
-        host=host,
-        port=port,
-        admin_token=admin_token,
-        public_url=public_url,
-        model_name=model_name,
-        strict_template=strict_template,
-        context_length=context_length,
-        tool_parser=tool_parser,
-        reasoning_parser=reasoning_parser,
-        eot_token=eot_token,
-        inject_tools=inject_tools,
-        spill_path=str(spill_path) if spill_path else None,
-        session_idle_timeout=session_idle_timeout,
-    )
-    if admin_token is None:
-        log.warning("no --admin-token: /admin/* and POST /sessions are open to anyone who can reach port %d", port)
+    settings = GatewaySettings(**options)  # every other option is a setting of the same name
+    if settings.admin_token is None:
+        log.warning("no --admin-token: /admin/* and POST /sessions are open to anyone who can reach port %d",
+                    settings.port)
     try:
         pool = open_pool(pool_url)
     except Exception as exc:  # the edge: any failure to open is the operator's URL or database
         raise click.ClickException(f"cannot open the pool {pool_url!r}: {exc}") from exc
     try:
-        asyncio.run(_serve(settings, list(engines), engine_kind, model_dir, pool, engine_timeout, initial_version,
-                           engine_token))
+        asyncio.run(_serve(settings, list(engines), engine_kind, model_dir, pool, engine_timeout))
     except (EngineMismatch, ValueError) as exc:  # ValueError: an --eot-token not in the tokenizer, --inject-tools
         raise click.ClickException(str(exc)) from exc
     except OSError as exc:
-        raise click.ClickException(f"cannot serve on {host}:{port}: {exc}") from exc
+        raise click.ClickException(f"cannot serve on {settings.host}:{settings.port}: {exc}") from exc
     finally:
         pool.close()
 
 
 async def _serve(
-    settings, engines: list[str], kind: str, model_dir: Path, pool: Pool, timeout: float, version: int,
-    engine_token: str | None,
+    settings: GatewaySettings, engines: list[str], kind: str, model_dir: Path, pool: Pool, timeout: float
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with running_gateway(settings, engines, model_dir, pool, kind, timeout, version,
-                               engine_token=engine_token) as gw:
+    async with running_gateway(settings, engines, model_dir, pool, kind, timeout) as gw:
         from gateway.app import CORE_KEY
 
         print(f"stepline gateway on {gw.url} -> {', '.join(engines)} ({kind}); Ctrl-C stops", flush=True)

@@ -6,7 +6,8 @@ from pydantic import BaseModel, Field
 
 
 class GatewaySettings(BaseModel):
-    """What `create_app` needs besides its components (router, recorder, weight gate, model)."""
+    """What `create_app` needs besides its components (router, recorder, weight gate, model), and how
+    `gateway.cli.running_gateway` reaches the engines."""
 
     host: str = Field("127.0.0.1", description="interface to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0: a free port)")
@@ -56,4 +57,13 @@ class GatewaySettings(BaseModel):
     inject_tools: bool = Field(
         False, description="for templates that cannot show tools: render them into the system message "
         "(and calls / results as text) in the tool parser's format; off: such requests get 400"
+    )
+    initial_version: int = Field(0, ge=0, description="weight version the engines serve at start")
+    engine_token: str | None = Field(
+        None, description="Bearer token sent on every engine call (the built-in engine's --control-token, "
+        "SGLang's and vLLM's --api-key); None: none"
+    )
+    max_connections: int = Field(
+        4096, ge=1, description="upstream connections to the engines (aiohttp's default of 100 would cap the "
+        "calls in flight)"
     )

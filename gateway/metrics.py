@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from typing_extensions import TypedDict, Unpack
 
 if TYPE_CHECKING:
     from gateway.engines import EngineRouter
@@ -35,22 +36,22 @@ POOL_ERRORS = Counter("stepline_gateway_pool_errors", "Failed pool writes (retri
 ENGINE_UP = Gauge("stepline_gateway_engine_up", "1 when the engine passes its health check", ["engine"])
 
 
-def observe_call(
-    api: str,
-    stream: bool,
-    finish_reason: str,
-    seconds: float,
-    prompt_tokens: int,
-    completion_tokens: int,
-    first_token_seconds: float | None = None,
-) -> None:
+class CallSizes(TypedDict, total=False):
+    """What one call moved: its prompt and completion tokens, and (streamed) the time to its first token."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    first_token_seconds: float | None
+
+
+def observe_call(api: str, stream: bool, finish_reason: str, seconds: float, **sizes: Unpack[CallSizes]) -> None:
     """Count one finished model call."""
     CALLS.labels(api, finish_reason).inc()
     LATENCY.labels(api, "true" if stream else "false").observe(seconds)
-    TOKENS.labels("prompt").inc(prompt_tokens)
-    TOKENS.labels("completion").inc(completion_tokens)
-    if first_token_seconds is not None:
-        FIRST_TOKEN.labels(api).observe(first_token_seconds)
+    TOKENS.labels("prompt").inc(sizes.get("prompt_tokens", 0))
+    TOKENS.labels("completion").inc(sizes.get("completion_tokens", 0))
+    if (first := sizes.get("first_token_seconds")) is not None:
+        FIRST_TOKEN.labels(api).observe(first)
 
 
 def observe_error(api: str, status: int) -> None:

@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, check_names, make_parser
-from gateway.parsers.base import collect
+from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, check_names, collect, make_parser
 from gateway.templating import ChatTemplate, Message, TemplateError
 
 __all__ = ["ModelProfile", "detect"]

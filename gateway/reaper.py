@@ -18,7 +18,7 @@ import asyncio
 import logging
 
 from datapool.base import PoolError
-from gateway.frontends.core import Core
+from gateway.frontends.pipeline import Core
 
 log = logging.getLogger(__name__)
 

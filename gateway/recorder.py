@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import zstandard
+from typing_extensions import TypedDict, Unpack
 
 from datapool.base import Pool, PoolError, is_unavailable
 from datapool.records import CallRecord, Reward, SessionInfo
@@ -58,24 +59,30 @@ class _Item:
     spilled: bool = False  # a call already in the spill file
 
 
+class Tuning(TypedDict, total=False):
+    """The recorder's knobs (defaults in `TUNING`)."""
+
+    max_queue: int  # records queued before has_capacity() turns False (the app answers 503)
+    batch_size: int  # calls per pool.add_calls
+    flush_interval: float  # how long a partial batch of calls may wait for company, s
+    max_backoff: float  # the longest wait between retries of an unavailable pool, s
+    close_timeout: float  # how long aclose gives a failing pool before giving up, s
+
+
+TUNING: Tuning = {"max_queue": 10_000, "batch_size": 256, "flush_interval": 0.02, "max_backoff": 5.0,
+                  "close_timeout": 60.0}
+
+
 class Recorder:
-    def __init__(
-        self,
-        pool: Pool,
-        max_queue: int = 10_000,
-        batch_size: int = 256,
-        flush_interval: float = 0.02,
-        max_backoff: float = 5.0,
-        close_timeout: float = 60.0,
-        spill: Spill | None = None,
-    ) -> None:
+    def __init__(self, pool: Pool, spill: Spill | None = None, **tuning: Unpack[Tuning]) -> None:
+        knobs: Tuning = {**TUNING, **tuning}
         self.pool = pool
         self.spill = spill
-        self.max_queue = max_queue
-        self.batch_size = batch_size
-        self.flush_interval = flush_interval  # how long a partial batch of calls may wait for company
-        self.max_backoff = max_backoff
-        self.close_timeout = close_timeout  # aclose gives a failing pool this long before giving up
+        self.max_queue = knobs["max_queue"]
+        self.batch_size = knobs["batch_size"]
+        self.flush_interval = knobs["flush_interval"]
+        self.max_backoff = knobs["max_backoff"]
+        self.close_timeout = knobs["close_timeout"]
         # The event loop only ever puts into the inbox (a C-level queue: no Python lock to contend for
         # with the worker); the worker moves items to `_pending` and pops them once written.
         self._inbox: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # None: wake up, we close

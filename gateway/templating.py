@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -66,25 +67,34 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+@dataclass(frozen=True)
+class Markers:
+    """The special tokens a template writes and the engine stops at."""
+
+    eos_token: str  # the end-of-turn marker the template writes after each assistant turn
+    stop_token_ids: list[int]  # the model's own stop ids (the end-of-turn id is added to them)
+    bos_token: str = ""  # the template's `bos_token` (Llama, Gemma write it; rendered, not added)
+    template_eos: str | None = None  # the template's `eos_token`; None: eos_token
+
+
 class ChatTemplate:
     """Render conversations with the model's template and turn text into token ids and back."""
 
-    def __init__(self, source: str, tokenizer: Tokenizer, eos_token: str, stop_token_ids: list[int],
-                 context_length: int, model_type: str = "", bos_token: str = "",
-                 template_eos: str | None = None) -> None:
+    def __init__(self, source: str, tokenizer: Tokenizer, markers: Markers, context_length: int,
+                 model_type: str = "") -> None:
         self.source = source
         self.template = compile_template(source)
         self.tokenizer = tokenizer
-        self.eos_token = eos_token  # the end-of-turn marker the template writes after each assistant turn
-        eos_id = tokenizer.token_to_id(eos_token)
+        self.eos_token = markers.eos_token
+        eos_id = tokenizer.token_to_id(markers.eos_token)
         if eos_id is None:
-            raise ValueError(f"end-of-turn token {eos_token!r} is not in the tokenizer")
+            raise ValueError(f"end-of-turn token {markers.eos_token!r} is not in the tokenizer")
         self.eos_id: int = eos_id
-        self.stop_token_ids = sorted({eos_id, *stop_token_ids})
+        self.stop_token_ids = sorted({eos_id, *markers.stop_token_ids})
         self.context_length = context_length
         self.model_type = model_type
-        self.bos_token = bos_token  # the template's `bos_token` (Llama, Gemma write it; rendered, not added)
-        self.template_eos = eos_token if template_eos is None else template_eos  # the template's `eos_token`
+        self.bos_token = markers.bos_token
+        self.template_eos = markers.eos_token if markers.template_eos is None else markers.template_eos
         self.inject: Callable[[list[Message], list[dict] | None], list[Message]] | None = None
 
     def with_tool_injection(self, inject: Callable[[list[Message], list[dict] | None], list[Message]]) -> ChatTemplate:
@@ -114,9 +124,9 @@ class ChatTemplate:
             stop_ids.append(eos_id)
         context = int(config.get("max_position_embeddings") or tok_config.get("model_max_length") or 4096)
         model_type = str(config.get("model_type") or config.get("text_config", {}).get("model_type", ""))
-        probe = cls(source, tokenizer, eos, stop_ids, context, model_type, bos, eos)
+        probe = cls(source, tokenizer, Markers(eos, stop_ids, bos, eos), context, model_type)
         eot = eot_token or end_of_turn(probe) or eos
-        return cls(source, tokenizer, eot, stop_ids, context, model_type, bos, eos)
+        return cls(source, tokenizer, Markers(eot, stop_ids, bos, eos), context, model_type)
 
     def render(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool,
                options: dict[str, Any] | None = None) -> str:

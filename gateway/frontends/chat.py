@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, with_config
 from typing_extensions import TypedDict
 
 from gateway.engines import Generation, SamplingParams, StreamDelta
-from gateway.frontends import flow
-from gateway.frontends.core import Core
+from gateway.frontends import pipeline
 from gateway.frontends.errors import ApiError, error_body, invalid
+from gateway.frontends.pipeline import Core
 from gateway.parsers.base import Event, ParsedOutput
 from gateway.templating import ChatTemplate, Message
 from gateway.tito import Prompt
@@ -164,7 +164,7 @@ def sampling_of(temperature: float | None, top_p: float | None, top_k: int | Non
                           stop=[s for s in stops if s], seed=seed)
 
 
-def to_call(req: ChatRequest, max_n: int) -> flow.ChatCall:
+def to_call(req: ChatRequest, max_n: int) -> pipeline.ChatCall:
     if req.n > max_n:
         raise invalid(f"n must be at most {max_n}", param="n")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -174,7 +174,7 @@ def to_call(req: ChatRequest, max_n: int) -> flow.ChatCall:
     if options and RESERVED_TEMPLATE_NAMES & options.keys():
         raise invalid(f"chat_template_kwargs may not set {sorted(RESERVED_TEMPLATE_NAMES & options.keys())}",
                       param="chat_template_kwargs")
-    return flow.ChatCall(api="chat.completions", messages=to_messages(req.messages), tools=tools,
+    return pipeline.ChatCall(api="chat.completions", messages=to_messages(req.messages), tools=tools,
                          sampling=sampling_of(req.temperature, req.top_p, req.top_k, req.stop, req.seed),
                          max_tokens=req.max_completion_tokens or req.max_tokens, n=req.n, tools_enabled=enabled,
                          stream=bool(req.stream), template_options=options or None)
@@ -217,15 +217,15 @@ class ChatEmitter:
             content.append({**entry, "top_logprobs": [entry] if self.top_logprobs else []})
         return {"content": content}
 
-    def answer(self, choices: list[flow.Choice], prompt: Prompt) -> dict:
-        prompt_tokens, completion_tokens = flow.usage(prompt, choices)
+    def answer(self, choices: list[pipeline.Choice], prompt: Prompt) -> dict:
+        prompt_tokens, completion_tokens = pipeline.usage(prompt, choices)
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
             "choices": [self._choice(c) for c in choices],
             "usage": self._usage(prompt_tokens, completion_tokens, prompt.reused),
         }
 
-    def _choice(self, c: flow.Choice) -> dict:
+    def _choice(self, c: pipeline.Choice) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": c.parsed.content or None}
         if not c.parsed.tool_calls and message["content"] is None:
             message["content"] = ""
@@ -296,10 +296,10 @@ class ChatEmitter:
         return self._chunk([{"index": index, "delta": {}, "logprobs": None,
                              "finish_reason": finish_reason(final, parsed)}])
 
-    def end(self, choices: list[flow.Choice], prompt: Prompt) -> bytes:
+    def end(self, choices: list[pipeline.Choice], prompt: Prompt) -> bytes:
         out = b""
         if self.include_usage:
-            prompt_tokens, completion_tokens = flow.usage(prompt, choices)
+            prompt_tokens, completion_tokens = pipeline.usage(prompt, choices)
             out += self._chunk([], self._usage(prompt_tokens, completion_tokens, prompt.reused))
         return out + b"data: [DONE]\n\n"
 
@@ -314,6 +314,6 @@ async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     emitter = ChatEmitter(req.model or core.settings.model_name, core.template, bool(req.logprobs),
                           req.top_logprobs or 0, bool(req.stream_options and req.stream_options.include_usage))
     if call.stream:
-        return await flow.stream(core, request, session, call, raw, emitter)
-    answer = await flow.run(core, session, call, raw, emitter)
+        return await pipeline.stream(core, request, pipeline.Exchange(session, call.api, raw), call, emitter)
+    answer = await pipeline.run(core, pipeline.Exchange(session, call.api, raw), call, emitter)
     return web.Response(body=orjson.dumps(answer), content_type="application/json")

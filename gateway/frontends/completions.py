@@ -19,9 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.engines import Generation, SamplingParams
 from gateway.frontends.chat import StreamOptions, sampling_of
-from gateway.frontends.core import Core, now
 from gateway.frontends.errors import ApiError, error_body, invalid
-from gateway.frontends.flow import SSE_HEADERS, choice_seed
+from gateway.frontends.pipeline import SSE_HEADERS, Core, Exchange, choice_seed, now
 from gateway.sessions import Session
 from gateway.tito import Prompt
 
@@ -91,11 +90,13 @@ class Completions:
                 "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                               "total_tokens": prompt_tokens + completion_tokens}}
 
-    def commit(self, prompt: Prompt, gen: Generation, sampling: SamplingParams, version: int,
-               timings: dict[str, float], answer: dict, is_text: bool) -> None:
-        self.core.record(self.session, "completions", prompt.ids, gen, sampling, version, timings, self.raw, answer)
+    def exchange(self) -> Exchange:
+        return Exchange(self.session, "completions", self.raw)
+
+    def commit(self, ex: Exchange, choice: int, gen: Generation, answer: dict, is_text: bool) -> None:
+        self.core.record(ex, choice, gen, answer)
         if is_text:
-            self.session.texts.remember(prompt, np.asarray(gen.output_ids, dtype=np.int32), gen.text)
+            self.session.texts.remember(ex.prompt, np.asarray(gen.output_ids, dtype=np.int32), gen.text)
 
 
 async def handle(core: Core, request: web.Request) -> web.StreamResponse:
@@ -115,29 +116,30 @@ async def handle(core: Core, request: web.Request) -> web.StreamResponse:
         if len(sources) != 1:
             raise invalid("streaming takes one prompt", param="prompt")
         return await _stream(job, request, sources[0])
-    timings = {"received": now()}
+    exchanges = [job.exchange() for _ in sources]  # one per prompt
     prompts = await core.offload(len(raw), lambda: [job.prompt(s) for s in sources])
-    samplings = [job.samplings(p) for p in prompts]
-    results = await asyncio.gather(*(core.generate(session, p.ids, s) for p, s in zip(prompts, samplings)))
-    timings["done"] = now()
+    for ex, prompt in zip(exchanges, prompts):
+        ex.prompt, ex.samplings = prompt, job.samplings(prompt)
+    results = await asyncio.gather(*(core.generate(ex) for ex in exchanges))
     choices, flat = [], []
-    for i, (gens, _) in enumerate(results):
+    for i, gens in enumerate(results):
         for j, gen in enumerate(gens):
             choices.append(job.choice(i * req.n + j, gen))
             flat.append((i, j, gen))
     answer = job.answer(choices, sum(len(p.ids) for p in prompts), sum(len(g.output_ids) for *_, g in flat))
     for i, j, gen in flat:
-        job.commit(prompts[i], gen, samplings[i][j], results[i][1], timings, answer, isinstance(sources[i], str))
-    core.observe("completions", False, timings, len(prompts[0].ids), [g for *_, g in flat])
+        job.commit(exchanges[i], j, gen, answer, isinstance(sources[i], str))
+    core.observe(exchanges[0], False, [g for *_, g in flat])
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 
 async def _stream(job: Completions, request: web.Request, source: str | list[int]) -> web.StreamResponse:
     core = job.core
-    timings = {"received": now()}
-    prompt = await core.offload(len(job.raw), job.prompt, source)
-    samplings = job.samplings(prompt)
-    upstream = await core.open_stream(job.session, prompt.ids, samplings)
+    ex = job.exchange()
+    timings = ex.timings
+    ex.prompt = prompt = await core.offload(len(job.raw), job.prompt, source)
+    ex.samplings = samplings = job.samplings(prompt)
+    upstream = await core.open_stream(ex)
     include_usage = bool(job.req.stream_options and job.req.stream_options.include_usage)
     response = web.StreamResponse(headers=SSE_HEADERS)
     finals: list[Generation | None] = [None] * len(samplings)
@@ -167,7 +169,7 @@ async def _stream(job: Completions, request: web.Request, source: str | list[int
         # recorded before the last event: the harness holds a whole answer only once its record is durable
         answer = job.answer([job.choice(i, g) for i, g in enumerate(gens)], len(prompt.ids), completion)
         for i, gen in enumerate(gens):
-            job.commit(prompt, gen, samplings[i], upstream.version, timings, answer, isinstance(source, str))
+            job.commit(ex, i, gen, answer, isinstance(source, str))
         await core.durable()
         if include_usage:
             await response.write(event({"id": job.id, "object": "text_completion", "created": job.created,
@@ -185,5 +187,5 @@ async def _stream(job: Completions, request: web.Request, source: str | list[int
         return response
     finally:
         await upstream.aclose()
-    core.observe("completions", True, timings, len(prompt.ids), gens)
+    core.observe(ex, True, gens)
     return response

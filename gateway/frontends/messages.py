@@ -17,10 +17,10 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.engines import Generation, StreamDelta
-from gateway.frontends import flow
+from gateway.frontends import pipeline
 from gateway.frontends.chat import sampling_of
-from gateway.frontends.core import Core
 from gateway.frontends.errors import ApiError, error_body, invalid
+from gateway.frontends.pipeline import Core
 from gateway.parsers.base import Event, ParsedOutput, ToolCall, load_json
 from gateway.templating import Message, TemplateError
 from gateway.tito import Prompt
@@ -141,7 +141,7 @@ def _user(blocks: list[Block]) -> list[Message]:
     return out
 
 
-def to_call(req: MessagesRequest) -> flow.ChatCall:
+def to_call(req: MessagesRequest) -> pipeline.ChatCall:
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in req.tools or []] or None
     names = [t.name for t in req.tools or []]
@@ -150,7 +150,7 @@ def to_call(req: MessagesRequest) -> flow.ChatCall:
         raise invalid("tool_choice needs `tools`", param="tool_choice")
     if choice is not None and choice.type == "tool" and choice.name not in names:
         raise invalid(f"tool_choice names an unknown tool {choice.name!r}", param="tool_choice")
-    return flow.ChatCall(api="messages", messages=to_messages(req), tools=tools,
+    return pipeline.ChatCall(api="messages", messages=to_messages(req), tools=tools,
                          sampling=sampling_of(req.temperature, req.top_p, req.top_k, req.stop_sequences, req.seed),
                          max_tokens=req.max_tokens, tools_enabled=not (choice and choice.type == "none"),
                          stream=bool(req.stream))
@@ -182,7 +182,7 @@ class MessagesEmitter:
         self.block = -1  # index of the open content block
         self.open_kind: str | None = None
 
-    def answer(self, choices: list[flow.Choice], prompt: Prompt) -> dict:
+    def answer(self, choices: list[pipeline.Choice], prompt: Prompt) -> dict:
         choice = choices[0]
         parsed = choice.parsed
         content: list[dict] = []
@@ -261,7 +261,7 @@ class MessagesEmitter:
         return out + _sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                             "usage": {"output_tokens": len(final.output_ids)}})
 
-    def end(self, choices: list[flow.Choice], prompt: Prompt) -> bytes:
+    def end(self, choices: list[pipeline.Choice], prompt: Prompt) -> bytes:
         return _sse("message_stop", {})
 
     def error(self, err: ApiError) -> bytes:
@@ -274,8 +274,8 @@ async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     call = to_call(req)
     emitter = MessagesEmitter(req.model or core.settings.model_name)
     if call.stream:
-        return await flow.stream(core, request, session, call, raw, emitter)
-    answer = await flow.run(core, session, call, raw, emitter)
+        return await pipeline.stream(core, request, pipeline.Exchange(session, call.api, raw), call, emitter)
+    answer = await pipeline.run(core, pipeline.Exchange(session, call.api, raw), call, emitter)
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 

@@ -18,10 +18,10 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.engines import Generation, StreamDelta
-from gateway.frontends import flow
+from gateway.frontends import pipeline
 from gateway.frontends.chat import sampling_of
-from gateway.frontends.core import Core
 from gateway.frontends.errors import ApiError, invalid
+from gateway.frontends.pipeline import Core
 from gateway.parsers.base import Event, ParsedOutput
 from gateway.sessions import Session
 from gateway.templating import Message
@@ -137,7 +137,7 @@ def to_messages(items: str | list[Item]) -> list[Message]:
     return out
 
 
-def to_call(req: ResponsesRequest, session: Session) -> flow.ChatCall:
+def to_call(req: ResponsesRequest, session: Session) -> pipeline.ChatCall:
     messages = to_messages(req.input)
     if req.previous_response_id is not None:
         earlier = session.responses.get(req.previous_response_id)
@@ -159,7 +159,7 @@ def to_call(req: ResponsesRequest, session: Session) -> flow.ChatCall:
         raise invalid("tool_choice needs `tools`", param="tool_choice")
     if isinstance(choice, NamedChoice) and choice.name not in names:
         raise invalid(f"tool_choice names an unknown tool {choice.name!r}", param="tool_choice")
-    return flow.ChatCall(api="responses", messages=messages, tools=tools,
+    return pipeline.ChatCall(api="responses", messages=messages, tools=tools,
                          sampling=sampling_of(req.temperature, req.top_p, None, None, req.seed),
                          max_tokens=req.max_output_tokens, tools_enabled=choice != "none", stream=bool(req.stream))
 
@@ -190,7 +190,7 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
 
 
 class ResponsesEmitter:
-    def __init__(self, req: ResponsesRequest, model: str, session: Session, call: flow.ChatCall) -> None:
+    def __init__(self, req: ResponsesRequest, model: str, session: Session, call: pipeline.ChatCall) -> None:
         self.id = "resp_" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.req, self.model, self.session, self.call = req, model, session, call
@@ -212,7 +212,7 @@ class ResponsesEmitter:
                 "tools": [t.model_dump() for t in self.req.tools or []], "text": {"format": {"type": "text"}},
                 "usage": usage, "metadata": {}}
 
-    def answer(self, choices: list[flow.Choice], prompt: Prompt) -> dict:
+    def answer(self, choices: list[pipeline.Choice], prompt: Prompt) -> dict:
         choice = choices[0]
         gen = choice.generation
         usage = {"input_tokens": len(prompt.ids), "input_tokens_details": {"cached_tokens": prompt.reused},
@@ -220,7 +220,7 @@ class ResponsesEmitter:
                  "total_tokens": len(prompt.ids) + len(gen.output_ids)}
         incomplete = {"reason": "max_output_tokens"} if gen.finish_reason == "length" else None
         answer = self._base("incomplete" if incomplete else "completed", _items(choice.parsed, self.ids), usage, incomplete)
-        self._keep(flow.assistant_message(choice.parsed))
+        self._keep(pipeline.assistant_message(choice.parsed))
         return answer
 
     def _keep(self, message: Message) -> None:
@@ -323,7 +323,7 @@ class ResponsesEmitter:
             out += self._open("message", _message_item(self.ids["message"], None, "in_progress")) + self._close()
         return out
 
-    def end(self, choices: list[flow.Choice], prompt: Prompt) -> bytes:
+    def end(self, choices: list[pipeline.Choice], prompt: Prompt) -> bytes:
         answer = self.answer(choices, prompt)
         kind = "response.completed" if answer["status"] == "completed" else "response.incomplete"
         return self._event(kind, {"response": answer})
@@ -338,7 +338,7 @@ async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     call = to_call(req, session)
     emitter = ResponsesEmitter(req, req.model or core.settings.model_name, session, call)
     if call.stream:
-        return await flow.stream(core, request, session, call, raw, emitter)
-    answer = await flow.run(core, session, call, raw, emitter)
+        return await pipeline.stream(core, request, pipeline.Exchange(session, call.api, raw), call, emitter)
+    answer = await pipeline.run(core, pipeline.Exchange(session, call.api, raw), call, emitter)
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 

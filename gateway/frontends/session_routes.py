@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from datapool.base import PoolError, UnknownSession
 from datapool.records import FORK_KEY, Reward
 from gateway.forks import Replay, recorded_prefix
-from gateway.frontends.core import Core, bearer_key
 from gateway.frontends.errors import ApiError, from_validation
+from gateway.frontends.pipeline import Core, bearer_key
 from gateway.sessions import Session
 
 

@@ -14,11 +14,11 @@ a module with a `ToolFormat` and add a row.
 from __future__ import annotations
 
 from gateway.parsers import deepseek, glm45, harmony, hermes, kimi_k2, llama3, mistral, pythonic, qwen3_coder
-from gateway.parsers.base import Event, ParsedOutput, StreamParser, ToolCall, ToolFormat, ToolSpecs, collect
-from gateway.parsers.stream import OutputParser, ReasoningFormat, ToolStage
+from gateway.parsers.base import Event, ParsedOutput, StreamParser, ToolCall, ToolFormat, ToolSpecs
+from gateway.parsers.stream import ParserSpec, ReasoningFormat, collect
 
-__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "Event", "ParsedOutput", "ReasoningFormat", "StreamParser", "ToolCall",
-           "ToolFormat", "UnknownParser", "check_names", "make_parser", "parse_text"]
+__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "Event", "ParsedOutput", "ParserSpec", "ReasoningFormat", "StreamParser",
+           "ToolCall", "ToolFormat", "UnknownParser", "check_names", "collect", "make_parser", "parse_text", "parser_spec"]
 
 TOOL_PARSERS: dict[str, ToolFormat | None] = {
     "hermes": hermes.FORMAT,
@@ -69,17 +69,18 @@ def check_names(tool_parser: str, reasoning_parser: str) -> None:
         raise UnknownParser(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
 
 
+def parser_spec(tool_parser: str, reasoning_parser: str, in_reasoning: bool = False) -> ParserSpec:
+    """The formats of two registry names (the gateway resolves them once, at start)."""
+    check_names(tool_parser, reasoning_parser)
+    return ParserSpec(TOOL_PARSERS[tool_parser], REASONING_PARSERS[reasoning_parser], in_reasoning)
+
+
 def make_parser(tool_parser: str, reasoning_parser: str, tools_enabled: bool, tools: ToolSpecs,
                 in_reasoning: bool = False, incremental: bool = False) -> StreamParser:
     """A fresh parser for one answer. `tools`: the offered tools (name -> parameters schema; None: any
     name); `in_reasoning`: the prompt already opened the reasoning block; `incremental`: stream each
     call's name and arguments while it is written (`tool_open` / `tool_args` events)."""
-    check_names(tool_parser, reasoning_parser)
-    fmt = TOOL_PARSERS[tool_parser]
-    if fmt is not None and fmt.answer_parser is not None:
-        return fmt.answer_parser(tools, tools_enabled, incremental)
-    stage = ToolStage(fmt, tools, tools_enabled, incremental)
-    return OutputParser(REASONING_PARSERS[reasoning_parser], stage, in_reasoning)
+    return parser_spec(tool_parser, reasoning_parser, in_reasoning).new(tools_enabled, tools, incremental)
 
 
 def parse_text(text: str, tool_parser: str = "hermes", reasoning_parser: str = "qwen3", tools_enabled: bool = True,

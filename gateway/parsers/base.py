@@ -89,15 +89,6 @@ class ToolFormat:
     answer_parser: Callable[[ToolSpecs, bool, bool], StreamParser] | None = None
 
 
-def collect(events: list[Event]) -> ParsedOutput:
-    """Fold a parser's events into the fields of a non-streamed answer."""
-    reasoning = "".join(e.text for e in events if e.kind == "reasoning")
-    content = "".join(e.text for e in events if e.kind == "content")
-    calls = [e.tool_call for e in events if e.kind == "tool_call" and e.tool_call is not None]
-    has_reasoning = any(e.kind == "reasoning" for e in events)
-    return ParsedOutput(content=content, reasoning=reasoning if has_reasoning else None, tool_calls=calls)
-
-
 def held_marker(buf: str, marker: str) -> int:
     """Length of the longest suffix of `buf` that is a proper prefix of `marker` (to hold back)."""
     for n in range(min(len(marker) - 1, len(buf)), 0, -1):

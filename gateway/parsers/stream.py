@@ -20,7 +20,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.parsers.base import Event, Piece, Scanner, ToolCall, ToolFormat, ToolSpecs, held_marker
+from gateway.parsers.base import (
+    Event,
+    ParsedOutput,
+    Piece,
+    Scanner,
+    StreamParser,
+    ToolCall,
+    ToolFormat,
+    ToolSpecs,
+    held_marker,
+)
 
 
 @dataclass(frozen=True)
@@ -253,3 +263,28 @@ class OutputParser:
         if text or not self.started:  # an empty first event still tells that the answer had reasoning
             out.append(Event("reasoning", text))
         self.started = True
+
+
+@dataclass(frozen=True)
+class ParserSpec:
+    """One model's formats, resolved once at start; `new` makes the parser of one answer."""
+
+    tools: ToolFormat | None
+    reasoning: ReasoningFormat | None
+    in_reasoning: bool = False  # the prompt already opened the reasoning block
+
+    def new(self, tools_enabled: bool, tools: ToolSpecs, incremental: bool = False) -> StreamParser:
+        """`tools`: the offered tools (name -> parameters schema; None: any name); `incremental`: stream
+        each call's name and arguments while it is written (`tool_open` / `tool_args` events)."""
+        if self.tools is not None and self.tools.answer_parser is not None:  # a family with its own machine
+            return self.tools.answer_parser(tools, tools_enabled, incremental)
+        return OutputParser(self.reasoning, ToolStage(self.tools, tools, tools_enabled, incremental), self.in_reasoning)
+
+
+def collect(events: list[Event]) -> ParsedOutput:
+    """Fold a parser's events into the fields of a non-streamed answer."""
+    reasoning = "".join(e.text for e in events if e.kind == "reasoning")
+    content = "".join(e.text for e in events if e.kind == "content")
+    calls = [e.tool_call for e in events if e.kind == "tool_call" and e.tool_call is not None]
+    has_reasoning = any(e.kind == "reasoning" for e in events)
+    return ParsedOutput(content=content, reasoning=reasoning if has_reasoning else None, tool_calls=calls)

@@ -26,8 +26,7 @@ import pytest
 from gateway_helpers import serve
 from tokenizers import Tokenizer
 
-from gateway.parsers import make_parser
-from gateway.parsers.base import collect
+from gateway.parsers import collect, make_parser
 from gateway.profile import detect
 from gateway.templating import ChatTemplate
 from gateway.testing import FakeEngine, Scripted

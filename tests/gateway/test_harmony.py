@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.parsers import make_parser, parse_text
-from gateway.parsers.base import Event, collect
+from gateway.parsers import Event, collect, make_parser, parse_text
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}, "get_time": {}}
 

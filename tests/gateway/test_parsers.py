@@ -8,8 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.parsers import make_parser, parse_text
-from gateway.parsers.base import collect
+from gateway.parsers import collect, make_parser, parse_text
 
 CALL = '<tool_call>\n{"name": "get", "arguments": {"q": "x"}}\n</tool_call>'
 

@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, make_parser, parse_text
-from gateway.parsers.base import collect
+from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, collect, make_parser, parse_text
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
          "get_time": {}}

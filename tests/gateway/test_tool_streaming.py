@@ -18,8 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tool_parsers import CASES, TOOLS
 
-from gateway.parsers import TOOL_PARSERS, make_parser, parse_text
-from gateway.parsers.base import Event, collect
+from gateway.parsers import TOOL_PARSERS, Event, collect, make_parser, parse_text
 from gateway.parsers.incremental import JsonArgs
 
 STREAMED = sorted(n for n in CASES if (fmt := TOOL_PARSERS[n]) is not None and fmt.scanner is not None)

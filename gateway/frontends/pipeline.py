@@ -1,10 +1,20 @@
-"""What every front end shares: attribution, body parsing, prompt limits, engine dispatch and recording.
+"""The call pipeline: one model call, from the request's edge to its record, for every API.
 
-A front end turns its API's request into prompt ids (through `TokenState` for the chat-style APIs),
-asks `Core.generate` or `Core.open_stream` for the engine's output, parses it, answers in its own
-format, and hands one `CallRecord` per choice to `Core.record` (which never waits on the pool).
-With a spill file, a front end awaits `Core.durable()` before the last bytes of its answer (non-stream
-answers: the app's route does), so that nothing acknowledged is lost to a crash (gateway.spill).
+    edge      attribution (session key / URL / X-Session-Id), the body read and validated once
+    Exchange  built once per request: session, API, raw body, prompt, sampling, weight version, timings
+    dispatch  the weight gate stamps the version, the router picks the session's engine, n choices
+    parse     reasoning and tool calls out of each choice (gateway.parsers)
+    emit      the API's answer, whole or as server-sent events (the front end's `Emitter`)
+    commit    one CallRecord per choice to the recorder (never waiting on the pool), and each choice
+              remembered as a turn the next call can extend (TITO)
+
+A chat-style front end (Chat Completions, Responses, Messages) turns its request into a `ChatCall` and
+an `Emitter` and calls `run` or `stream`; Completions builds its prompts from text or ids and uses the
+same dispatch and commit. Nothing is recorded for a call that fails, streamed or not. With a spill file
+an answer waits on `Core.durable()` before its last bytes (non-stream answers: `model_route` does), so
+that nothing acknowledged is lost to a crash (gateway.spill).
+
+`error_boundary` is the app's middleware: every failure becomes an answer in the caller's API format.
 """
 
 from __future__ import annotations
@@ -15,10 +25,11 @@ import hmac
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager, nullcontext
-from typing import Any, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import orjson
@@ -31,16 +42,19 @@ from gateway import metrics
 from gateway.config import GatewaySettings
 from gateway.engines import EngineError, EngineRouter, EngineUnavailable, Generation, SamplingParams, StreamDelta
 from gateway.forks import Replayed
-from gateway.frontends.errors import ApiError, from_validation, invalid
-from gateway.parsers import make_parser
-from gateway.parsers.base import StreamParser, ToolSpecs
+from gateway.frontends.errors import ApiError, Flavour, error_response, from_validation, invalid
+from gateway.parsers import parser_spec
+from gateway.parsers.base import Event, ParsedOutput, StreamParser, ToolSpecs
+from gateway.parsers.stream import collect
 from gateway.profile import ModelProfile
 from gateway.recorder import Recorder
 from gateway.sessions import Session, SessionStore
-from gateway.templating import ChatTemplate, Message
+from gateway.templating import ChatTemplate, Message, TemplateError
+from gateway.tito import Prompt
 from gateway.weights import Paused, WeightGate
 
 log = logging.getLogger(__name__)
+
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
 
@@ -90,17 +104,80 @@ def bearer_key(request: web.Request) -> str | None:
     return request.headers.get("x-api-key") or None
 
 
+@dataclass
+class Exchange:
+    """One model call on its way through the pipeline, built once per request (a Completions batch:
+    one per prompt). The stages fill it in: the prompt and sampling, then the weight version at
+    dispatch, and the timings as it goes."""
+
+    session: Session
+    api: str  # chat.completions | completions | responses | messages
+    raw: bytes  # the request body as received (recorded with the call)
+    prompt: Prompt = field(default_factory=lambda: Prompt(np.zeros(0, dtype=np.int32), 0, 0))
+    samplings: list[SamplingParams] = field(default_factory=list)  # one per choice
+    version: int = -1  # the weight version that serves it, stamped at dispatch
+    timings: dict[str, float] = field(default_factory=lambda: {"received": now()})
+
+
+Handler = Callable[["Core", web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_boundary(flavour: Callable[[str], Flavour], label: Callable[[str], str]) -> Any:
+    """The app's middleware: every failure becomes an answer in the caller's API format (`flavour` of
+    the path), counted under `label` of the path; nothing escapes as a bare 500."""
+
+    @web.middleware
+    async def errors(request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as err:
+            metrics.observe_error(label(request.path), err.status)
+            return error_response(flavour(request.path), err)
+        except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
+            if exc.status < 400:
+                raise
+            metrics.observe_error(label(request.path), exc.status)
+            message = "the request body is too large" if exc.status == 413 else exc.reason
+            return error_response(flavour(request.path), ApiError(exc.status, message))
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            metrics.observe_error(label(request.path), 500)
+            return error_response(flavour(request.path), ApiError(500, "internal gateway error (logged)"))
+
+    return errors
+
+
+def model_route(core: Core, handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A model API's route: a non-stream answer leaves only once its calls are durable."""
+
+    async def route(request: web.Request) -> web.StreamResponse:
+        token = UNSYNCED.set([])
+        try:
+            response = await handler(core, request)
+            await core.durable()
+            return response
+        finally:
+            UNSYNCED.reset(token)
+
+    return route
+
+
 class Core:
+    """The pipeline's components and the stages every front end shares."""
+
     def __init__(self, settings: GatewaySettings, router: EngineRouter, recorder: Recorder, gate: WeightGate,
-                 template: ChatTemplate, sessions: SessionStore, profile: ModelProfile) -> None:
+                 template: ChatTemplate, profile: ModelProfile) -> None:
         self.settings = settings
         self.router = router
         self.recorder = recorder
         self.gate = gate
         self.template = template
-        self.sessions = sessions
         self.profile = profile
+        strict = settings.strict_template or not profile.append_only
+        self.sessions = SessionStore(template, strict, settings.max_live_sessions)
         self.context_length = settings.context_length or template.context_length
+        self._parsers = parser_spec(profile.tool_parser, profile.reasoning_parser, profile.reasoning_forced)
         self._overloaded = ApiError(503, "the gateway's record queue is full; retry shortly",
                                     retry_after=settings.retry_after)
 
@@ -188,8 +265,7 @@ class Core:
         return min(requested or self.settings.default_max_tokens, room)
 
     def parser(self, tools_enabled: bool, tools: ToolSpecs, incremental: bool = False) -> StreamParser:
-        p = self.profile
-        return make_parser(p.tool_parser, p.reasoning_parser, tools_enabled, tools, p.reasoning_forced, incremental)
+        return self._parsers.new(tools_enabled, tools, incremental)
 
     def check_tools(self, tools: list[dict] | None) -> None:
         """400 when the request offers tools that the template would silently drop."""
@@ -224,43 +300,47 @@ class Core:
                             "branches there", session.info.session_id, session.next_call)
         return gens
 
-    async def generate(self, session: Session, prompt_ids: np.ndarray,
-                       samplings: list[SamplingParams]) -> tuple[list[Generation], int]:
-        """One engine request per choice, concurrently; returns the generations and the weight version."""
-        if (replayed := self.replayed(session, prompt_ids, len(samplings))) is not None:
-            return list(replayed), replayed[0].weight_version
+    async def generate(self, ex: Exchange) -> list[Generation]:
+        """One engine request per choice, concurrently; stamps `ex.version`."""
+        if (replayed := self.replayed(ex.session, ex.prompt.ids, len(ex.samplings))) is not None:
+            ex.version = replayed[0].weight_version
+            ex.timings["dispatched"] = ex.timings["done"] = now()
+            return list(replayed)
         if not self.recorder.has_capacity():
             raise self._overloaded
-        ids = prompt_ids  # int32 array: the adapters serialise it natively
+        ids, samplings = ex.prompt.ids, ex.samplings  # int32 array: the adapters serialise it natively
         engine = None
+        ex.timings["dispatched"] = now()
         try:
-            async with self.gate.admit() as version:
-                engine = self.router.for_session(session.info.session_id)
+            async with self.gate.admit() as ex.version:
+                engine = self.router.for_session(ex.session.info.session_id)
                 if len(samplings) == 1:
-                    return [await engine.generate(ids, samplings[0])], version
-                gens = await asyncio.gather(*(engine.generate(ids, s) for s in samplings))
-                return list(gens), version
+                    return [await engine.generate(ids, samplings[0])]
+                return list(await asyncio.gather(*(engine.generate(ids, s) for s in samplings)))
         except (EngineError, Paused) as exc:
-            raise self._engine_error(exc, engine) from None
+            raise self.engine_error(exc, engine) from None
+        finally:
+            ex.timings["done"] = now()
 
-    async def open_stream(self, session: Session, prompt_ids: np.ndarray,
-                          samplings: list[SamplingParams]) -> EngineStream:
+    async def open_stream(self, ex: Exchange) -> EngineStream:
         """Start the engine streams and wait for the first chunk, so that failures before any token
-        still get a proper error status (the SSE headers are not sent yet)."""
-        if (replayed := self.replayed(session, prompt_ids, len(samplings))) is not None:
+        still get a proper error status (the SSE headers are not sent yet); stamps `ex.version`."""
+        if (replayed := self.replayed(ex.session, ex.prompt.ids, len(ex.samplings))) is not None:
+            ex.version = replayed[0].weight_version
             return EngineStream.whole(replayed, self)
         if not self.recorder.has_capacity():
             raise self._overloaded
-        ids = prompt_ids  # int32 array: the adapters serialise it natively
+        ids = ex.prompt.ids  # int32 array: the adapters serialise it natively
         admit = self.gate.admit()
         engine = None
+        ex.timings["dispatched"] = now()
         try:
-            version = await admit.__aenter__()
+            ex.version = await admit.__aenter__()
         except Paused as exc:
-            raise self._engine_error(exc, None) from None
+            raise self.engine_error(exc, None) from None
         try:
-            engine = self.router.for_session(session.info.session_id)
-            streams = [engine.stream(ids, s) for s in samplings]
+            engine = self.router.for_session(ex.session.info.session_id)
+            streams = [engine.stream(ids, s) for s in ex.samplings]
             merged = _indexed(streams[0]) if len(streams) == 1 else _merge(streams)
             first = await anext(merged, None)
             if first is None:
@@ -268,11 +348,12 @@ class Core:
         except BaseException as exc:
             await admit.__aexit__(type(exc), exc, exc.__traceback__)
             if isinstance(exc, EngineError):
-                raise self._engine_error(exc, engine) from None
+                raise self.engine_error(exc, engine) from None
             raise
-        return EngineStream(version, first, merged, admit, self, engine)
+        return EngineStream(first, merged, admit, self, engine)
 
-    def _engine_error(self, exc: Exception, engine: Any) -> ApiError:
+    def engine_error(self, exc: Exception, engine: Any) -> ApiError:
+        """The answer to an engine failure or a paused gate (an unreachable engine is routed around)."""
         if isinstance(exc, Paused):
             return ApiError(503, "weights are being updated; retry shortly", retry_after=exc.retry_after)
         if isinstance(exc, EngineUnavailable) and engine is not None:
@@ -285,28 +366,26 @@ class Core:
                         retry_after=retry)
 
     # --- recording ---
-    def record(self, session: Session, api: str, prompt_ids: np.ndarray, gen: Generation,
-               sampling: SamplingParams, version: int, timings: dict[str, float], request_body: bytes,
-               answer: dict) -> int:
-        """Queue the call's record; returns its call index. The recorder's worker thread zstd-compresses
-        the request and answer bytes, off the event loop. A replayed answer (a fork) is not recorded again:
-        it keeps its source's call index."""
+    def record(self, ex: Exchange, choice: int, gen: Generation, answer: dict) -> int:
+        """Queue the record of choice `choice`; returns its call index. The recorder's worker thread
+        zstd-compresses the request and answer bytes, off the event loop. A replayed answer (a fork) is not
+        recorded again: it keeps its source's call index."""
         if isinstance(gen, Replayed):
-            session.next_call = max(session.next_call, gen.call_index + 1)
+            ex.session.next_call = max(ex.session.next_call, gen.call_index + 1)
             return gen.call_index
-        index = session.take_call_index()
+        index = ex.session.take_call_index()
         record = CallRecord(
-            session_id=session.info.session_id,
+            session_id=ex.session.info.session_id,
             call_index=index,
-            prompt_ids=prompt_ids,
+            prompt_ids=ex.prompt.ids,
             output_ids=np.asarray(gen.output_ids, dtype=np.int32),
             output_logprobs=np.asarray(gen.logprobs, dtype=np.float32),
-            weight_version=version,
+            weight_version=ex.version,
             finish_reason=gen.finish_reason,
-            api=api,
-            sampling=sampling_dict(sampling),
-            timings=timings,
-            request=request_body,
+            api=ex.api,
+            sampling=sampling_dict(ex.samplings[choice]),
+            timings=ex.timings,
+            request=ex.raw,
             response=orjson.dumps(answer),
         )
         done = self.recorder.record_call(record, compress=True)
@@ -323,19 +402,20 @@ class Core:
             except Exception:  # noqa: BLE001 - pool and disk both failed: the recorder logged it; answer anyway
                 pass
 
-    def observe(self, api: str, stream: bool, timings: dict[str, float], prompt_len: int, gens: list[Generation]) -> None:
+    def observe(self, ex: Exchange, stream: bool, gens: list[Generation]) -> None:
+        timings = ex.timings
         first = timings["first_token"] - timings["received"] if "first_token" in timings else None
         for gen in gens:
-            metrics.observe_call(api, stream, gen.finish_reason, timings["done"] - timings["received"],
-                                 prompt_len, len(gen.output_ids), first)
+            metrics.observe_call(ex.api, stream, gen.finish_reason, timings["done"] - timings["received"],
+                                 prompt_tokens=len(ex.prompt.ids), completion_tokens=len(gen.output_ids),
+                                 first_token_seconds=first)
 
 
 class EngineStream:
     """An open engine stream (or n merged): iterate for (choice index, delta); `aclose` always."""
 
-    def __init__(self, version: int, first: tuple[int, StreamDelta], rest: AsyncIterator[tuple[int, StreamDelta]],
+    def __init__(self, first: tuple[int, StreamDelta], rest: AsyncIterator[tuple[int, StreamDelta]],
                  admit: AbstractAsyncContextManager, core: Core, engine: Any) -> None:
-        self.version = version
         self._first: tuple[int, StreamDelta] | None = first
         self._rest = rest
         self._admit = admit
@@ -351,7 +431,7 @@ class EngineStream:
             for chunk in chunks[1:]:
                 yield chunk
 
-        return cls(gens[0].weight_version, chunks[0], rest(), nullcontext(), core, None)
+        return cls(chunks[0], rest(), nullcontext(), core, None)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, StreamDelta]]:
         if self._first is not None:
@@ -361,7 +441,7 @@ class EngineStream:
             async for item in self._rest:
                 yield item
         except (EngineError, Paused) as exc:
-            raise self._core._engine_error(exc, self._engine) from None
+            raise self._core.engine_error(exc, self._engine) from None
 
     async def aclose(self) -> None:
         try:
@@ -424,3 +504,160 @@ def sampling_dict(s: SamplingParams) -> dict[str, Any]:
 
 def now() -> float:
     return time.time()
+
+
+# --- the chat-style path ---
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ChatCall:
+    """A chat-style request, in the form the template and the engine take."""
+
+    api: str  # chat.completions | responses | messages
+    messages: list[Message]
+    tools: list[dict] | None  # OpenAI function-tool dicts, as chat templates expect them
+    sampling: SamplingParams
+    max_tokens: int | None  # None: the gateway's default (always cut to the room left in the context)
+    n: int = 1
+    tools_enabled: bool = True  # False for tool_choice "none": tool-call text stays text
+    stream: bool = False
+    template_options: dict[str, Any] | None = None  # chat_template_kwargs (e.g. {"enable_thinking": false})
+
+
+@dataclass
+class Choice:
+    index: int
+    generation: Generation
+    parsed: ParsedOutput
+    call_index: int = -1
+
+
+@dataclass
+class Progress:
+    """A streamed choice so far."""
+
+    events: list[Event] = field(default_factory=list)
+    final: Generation | None = None
+
+
+class Emitter(Protocol):
+    """Writes one API's answer. Stream methods return the bytes to send (possibly empty)."""
+
+    def answer(self, choices: list[Choice], prompt: Prompt) -> dict: ...
+    def start(self, prompt: Prompt) -> bytes: ...
+    def events(self, index: int, events: list[Event], delta: StreamDelta) -> bytes: ...
+    def finish(self, index: int, final: Generation, parsed: ParsedOutput) -> bytes: ...
+    def end(self, choices: list[Choice], prompt: Prompt) -> bytes: ...
+    def error(self, err: ApiError) -> bytes: ...
+
+
+def assistant_message(parsed: ParsedOutput) -> Message:
+    """The answer as the harness will echo it in its next call."""
+    message: Message = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in parsed.tool_calls]
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    return message
+
+
+def build_prompt(core: Core, session: Session, call: ChatCall) -> tuple[Prompt, list[SamplingParams]]:
+    core.check_tools(call.tools)
+    try:
+        prompt = session.tokens.prompt_for(call.messages, call.tools, call.template_options)
+    except TemplateError as exc:
+        raise invalid(str(exc) + core.tool_history_hint(call.messages), param="messages") from None
+    budget = core.max_new_tokens(len(prompt.ids), call.max_tokens)
+    base = replace(call.sampling, max_new_tokens=budget,
+                   stop_token_ids=sorted({*call.sampling.stop_token_ids, *core.template.stop_token_ids}))
+    # n choices of one seeded call must differ from each other and still be reproducible
+    samplings = [base if base.seed is None else replace(base, seed=choice_seed(base.seed, i)) for i in range(call.n)]
+    return prompt, samplings
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The engine seed of choice `index` of a call seeded `seed` (any int64): inside [0, 2^63), which
+    every engine accepts, so a seed near the top of the range cannot fail (or abort) the call."""
+    return (seed + index) % 2**63
+
+
+def _parser(core: Core, call: ChatCall, incremental: bool = False) -> StreamParser:
+    specs = {t["function"]["name"]: t["function"].get("parameters") or {} for t in call.tools or []}
+    return core.parser(call.tools_enabled and bool(specs), specs, incremental)
+
+
+async def run(core: Core, ex: Exchange, call: ChatCall, emitter: Emitter) -> dict:
+    """A whole (non-streamed) call: returns the API answer after queueing its records."""
+    ex.prompt, ex.samplings = await core.offload(len(ex.raw), build_prompt, core, ex.session, call)
+    gens = await core.generate(ex)
+    choices = []
+    for index, gen in enumerate(gens):
+        parser = _parser(core, call)
+        choices.append(Choice(index, gen, collect(parser.feed(gen.text) + parser.finish())))
+    answer = emitter.answer(choices, ex.prompt)
+    commit(core, ex, choices, answer)
+    core.observe(ex, False, gens)
+    return answer
+
+
+async def stream(core: Core, request: web.Request, ex: Exchange, call: ChatCall, emitter: Emitter) -> web.StreamResponse:
+    """A streamed call: text reaches the client as the engine produces it."""
+    ex.prompt, ex.samplings = await core.offload(len(ex.raw), build_prompt, core, ex.session, call)
+    upstream = await core.open_stream(ex)
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    parsers = [_parser(core, call, incremental=True) for _ in ex.samplings]  # calls stream as they are written
+    progress = [Progress() for _ in ex.samplings]
+    timings = ex.timings
+    try:
+        await response.prepare(request)
+        await response.write(emitter.start(ex.prompt))
+        async for index, delta in upstream:
+            timings.setdefault("first_token", now())
+            events = parsers[index].feed(delta.text)
+            if delta.final is not None:
+                events += parsers[index].finish()
+            progress[index].events += events
+            chunk = emitter.events(index, events, delta)
+            if delta.final is not None:
+                progress[index].final = delta.final
+                chunk += emitter.finish(index, delta.final, collect(progress[index].events))
+            if chunk:
+                await response.write(chunk)
+        if any(p.final is None for p in progress):
+            raise ApiError(502, "engine: the stream ended without a final chunk", code="engine_error")
+        timings["done"] = now()
+        choices = [Choice(i, p.final, collect(p.events)) for i, p in enumerate(progress)]
+        # recorded before the last event: the harness holds a whole answer only once its record is durable
+        commit(core, ex, choices, emitter.answer(choices, ex.prompt))
+        await core.durable()
+        await response.write(emitter.end(choices, ex.prompt))
+    except ApiError as err:  # after the headers: the API's in-stream error event; nothing recorded
+        await _try_write(response, emitter.error(err))
+        return response
+    except (ConnectionResetError, ConnectionError):  # the client went away: nothing recorded
+        return response
+    finally:
+        await upstream.aclose()
+    core.observe(ex, True, [c.generation for c in choices])
+    return response
+
+
+def commit(core: Core, ex: Exchange, choices: list[Choice], answer: dict) -> None:
+    """One record per choice, and each choice remembered as a turn the next call can extend."""
+    for choice in choices:
+        choice.call_index = core.record(ex, choice.index, choice.generation, answer)
+        output = np.asarray(choice.generation.output_ids, dtype=np.int32)
+        ex.session.tokens.remember(ex.prompt, assistant_message(choice.parsed), output)
+
+
+async def _try_write(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except (ConnectionResetError, ConnectionError):
+        pass
+
+
+def usage(prompt: Prompt, choices: list[Choice]) -> tuple[int, int]:
+    return len(prompt.ids), sum(len(c.generation.output_ids) for c in choices)
