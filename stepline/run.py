@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import time
 import tomllib
 from collections.abc import Iterator
@@ -280,6 +281,8 @@ def run_command(job: Path, overrides: tuple[str, ...], dashboard_port: int | Non
     from stepline.report import format_summary
 
     logging.basicConfig(level=os.environ.get("STEPLINE_LOG", "WARNING"))
+    # `kill` (SIGTERM) stops the job as Ctrl-C does: services stopped, rollout history saved, resumable
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     hf_logging.disable_progress_bar()  # HF's loading/saving bars would tear through the live panel
     from stepline.dashboard.cli import dashboard_beside
 

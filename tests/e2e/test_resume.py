@@ -1,4 +1,4 @@
-"""Ctrl-C stops the main job; the same command again resumes from the last checkpoint (issue: the main job)."""
+"""Ctrl-C or `kill` stops the main job; the same command again resumes from the last checkpoint (issue: the main job)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def start(run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_ctrl_c_then_the_same_command_resumes(tmp_path: Path) -> None:
+def test_kill_then_the_same_command_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     job = start(run_dir)
     metrics = run_dir / "rl" / "metrics.jsonl"
@@ -32,11 +32,12 @@ def test_ctrl_c_then_the_same_command_resumes(tmp_path: Path) -> None:
         assert job.poll() is None, job.communicate()[0][-3000:]
         assert time.monotonic() < deadline, "no RL checkpoint within 10 minutes"
         time.sleep(0.5)
-    job.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    job.send_signal(signal.SIGTERM)  # what `kill` sends; the job treats it as Ctrl-C (SIGINT)
     out, _ = job.communicate(timeout=300)
     assert job.returncode != 0 and not (run_dir / "summary.json").exists(), out[-2000:]
     done_before = len((run_dir / "rl" / "metrics.jsonl").read_text().splitlines())
     assert 1 <= done_before < 3
+    assert json.loads((run_dir / "rl" / "rollouts.json").read_text())  # the stopped run's episodes kept
     before_eval = (run_dir / "eval" / "before.json").stat().st_mtime
 
     again = start(run_dir)
