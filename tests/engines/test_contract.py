@@ -10,12 +10,12 @@ fakes it is the FakeEngine's script (ids from the prompt length and the folder l
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+from oracle import teacher_forced
 
 from gateway.engines import EngineClient, EngineError, Generation, SamplingParams, make_engine
 
@@ -27,25 +27,6 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 async def engine(backend, contract_models) -> AsyncIterator[EngineClient]:
     async with aiohttp.ClientSession() as http:
         yield make_engine(backend.url, backend.kind, http, timeout=120, model_dir=contract_models[0])
-
-
-@functools.lru_cache(maxsize=4)
-def _model(folder: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def teacher_forced(folder: Path, prompt: list[int], output: list[int]) -> tuple[list[float], list[float]]:
-    """(log-softmax of each output token, the largest log-softmax at its position) from one forward."""
-    import torch
-
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logp = torch.log_softmax(_model(folder)(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(output)[:, None])[:, 0]
-    return chosen.tolist(), logp.max(dim=-1).values.tolist()
 
 
 def check_greedy(backend, gen: Generation, weights: Path) -> None:
