@@ -71,7 +71,8 @@ async def running_gateway(
     async with aiohttp.ClientSession(connector=connector, headers=headers) as http:
         router = EngineRouter([make_engine(u, engine_kind, http, engine_timeout, model_dir) for u in engine_urls])
         recorder = Recorder(pool, spill=Spill(settings.spill_path) if settings.spill_path else None)
-        gate = WeightGate(router, max_wait=settings.max_wait_paused, initial_version=initial_version)
+        gate = WeightGate(router, max_wait=settings.max_wait_paused, initial_version=initial_version,
+                          grace=settings.update_grace)
         await router.start()
         try:  # the engines' model and context length against model_dir (gateway.engines.probe)
             limit = await check_engines(router.clients, model_dir, settings.context_length)
