@@ -167,6 +167,8 @@ async def running_gateway(
               type=click.FloatRange(min=0, min_open=True), help="Open sessions without a call for this long end as abandoned (and, at start, the pool's open "
               "sessions created longer ago: those a killed gateway left behind).")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
+@click.option("--update-grace", default=5.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds in-flight calls may run on into a weight update before the engines end them.")
 def gateway_command(
     engines: tuple[str, ...],
     engine_kind: str,
@@ -188,6 +190,7 @@ def gateway_command(
     engine_timeout: float,
     session_idle_timeout: float,
     initial_version: int,
+    update_grace: float,
 ) -> None:
     """Run the recording gateway in front of one or more engines."""
     from datapool import open_pool
@@ -208,6 +211,7 @@ def gateway_command(
         inject_tools=inject_tools,
         spill_path=str(spill_path) if spill_path else None,
         session_idle_timeout=session_idle_timeout,
+        update_grace=update_grace,
     )
     if admin_token is None:
         log.warning("no --admin-token: /admin/* and POST /sessions are open to anyone who can reach port %d", port)

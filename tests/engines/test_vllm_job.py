@@ -60,7 +60,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, d
         "sft.demos_per_harness": 2, "sft.trainer": {"epochs": 1, "groups_per_update": 6, "lr": 3e-3,
                                                     "tensorboard": False},
         "services.engine_kind": "vllm", "services.engine_dtype": "float32", "services.engine_threads": 1,
-        "services.vllm_args": ["--max-num-seqs", "16"], "services.startup_timeout_s": 900.0,
+        "services.vllm_args": ["--max-num-seqs", "16", "-O0"], "services.startup_timeout_s": 1500.0,
         # a large step, so that each push moves the logprobs far past the 1e-4 the checks resolve
         "trainer.lr": 1e-3, "trainer.groups_per_update": 2, "trainer.minibatches": 1,
         "trainer.micro_batch_episodes": 4, "trainer.dynamic_sampling": False, "trainer.train_layers": None,
