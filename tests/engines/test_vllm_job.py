@@ -61,8 +61,9 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, d
                                                     "tensorboard": False},
         "services.engine_kind": "vllm", "services.engine_dtype": "float32", "services.engine_threads": 1,
         "services.vllm_args": ["--max-num-seqs", "16", "-O0"], "services.startup_timeout_s": 1500.0,
-        # a large step, so that each push moves the logprobs far past the 1e-4 the checks resolve
-        "trainer.lr": 1e-3, "trainer.groups_per_update": 2, "trainer.minibatches": 1,
+        # every reward of a 1-layer random model is 0 (no advantage, no gradient): the entropy bonus makes each
+        # update move the weights, and the large step moves the logprobs far past the 1e-4 the checks resolve
+        "trainer.lr": 1e-3, "trainer.entropy_coef": 0.1, "trainer.groups_per_update": 2, "trainer.minibatches": 1,
         "trainer.micro_batch_episodes": 4, "trainer.dynamic_sampling": False, "trainer.train_layers": None,
         "trainer.autocast_bf16": False,
         "rollout.group_size": 2, "rollout.max_concurrency": 4, "eval.limit": 1,
