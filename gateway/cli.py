@@ -71,7 +71,8 @@ async def running_gateway(
     async with aiohttp.ClientSession(connector=connector, headers=headers) as http:
         router = EngineRouter([make_engine(u, engine_kind, http, engine_timeout, model_dir) for u in engine_urls])
         recorder = Recorder(pool, spill=Spill(settings.spill_path) if settings.spill_path else None)
-        gate = WeightGate(router, max_wait=settings.max_wait_paused, initial_version=settings.initial_version)
+        gate = WeightGate(router, max_wait=settings.max_wait_paused, initial_version=settings.initial_version,
+                          grace=settings.update_grace)
         await router.start()
         try:  # the engines' model and context length against model_dir (gateway.engines.probe)
             context = await check_engines(router.clients, model_dir, settings.context_length)
@@ -166,6 +167,8 @@ async def running_gateway(
               type=click.FloatRange(min=0, min_open=True), help="Open sessions without a call for this long end as abandoned (and, at start, the pool's open "
               "sessions created longer ago: those a killed gateway left behind).")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
+@click.option("--update-grace", default=5.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds in-flight calls may run on into a weight update before the engines end them.")
 def gateway_command(
     engines: tuple[str, ...], engine_kind: str, model_dir: Path, pool_url: str, engine_timeout: float, **options: Any
 ) -> None:

@@ -45,7 +45,10 @@ class GatewaySettings(BaseModel):
         description="render every turn with the chat template (forks where the template rewrites history) "
         "instead of keeping the model's own earlier tokens",
     )
-    max_wait_paused: float = Field(5.0, ge=0, description="seconds a call waits during a weight update before 503")
+    max_wait_paused: float = Field(60.0, ge=0, description="seconds a new call is held during a weight update "
+                                   "before 503 + Retry-After")
+    update_grace: float = Field(5.0, ge=0, description="seconds in-flight calls may run on into a weight update; "
+                                "then the engines end them (finish_reason abort, answered as cut short by length)")
     retry_after: float = Field(1.0, ge=0, description="Retry-After (s) on 503 answers of the gateway itself")
     public_url: str | None = Field(None, description="base URL handed to harnesses; None: from the request's Host")
     model_name: str = Field("stepline", description="the model id GET /v1/models lists and answers carry")

@@ -11,7 +11,8 @@ cut after the first stop token id / EOS (finish "stop", matched = that id, the i
 left out of the text), else cut at max_new_tokens (finish "length"). Logprobs default to
 -(k + 1) / 100 for the k-th output token, so a test can check which logprob went with which id.
 While paused (`/pause_generation`, vLLM's `/pause`), new generations wait for the resume, as in the
-engines. `model_path` and `context_length` are what `/get_model_info`, `/get_server_info` and vLLM's
+engines; a pause in mode `abort` (the default of both) also ends the streams running then, after the
+tokens sent so far, with finish reason "abort". `model_path` and `context_length` are what `/get_model_info`, `/get_server_info` and vLLM's
 `/v1/models` (`root`, `max_model_len`) report; with `model_path` set, a weight update checks the folder
 against it (`gateway.engines.checkpoint`) and refuses one that does not fit, keeping the old weights.
 
@@ -82,12 +83,14 @@ class FakeEngine:
     version_label: str | None = None  # vLLM's own weight version (/update_weight_version)
     in_flight: int = 0
     max_in_flight: int = 0
+    aborted: int = 0  # streams a pause in mode abort ended early
 
     def __post_init__(self) -> None:
         self.queue: deque[Scripted] = deque(self.script)
         self.loaded = self.model_path  # the weights folder serving now
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._aborts = 0  # pauses in mode abort so far: a stream started before one ends early
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -224,8 +227,17 @@ class FakeEngine:
     async def _sglang_stream(self, request: web.Request, res: _Result, prompt_len: int) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        n_text = len(res.text)
+        n_text, epoch = len(res.text), self._aborts
         for n in range(1, len(res.ids) + 1):
+            if self._aborts != epoch:  # a pause aborted it: the tokens sent so far, then the end
+                cut = self._cut(res, n - 1)
+                meta = self._meta(cut, n - 1, prompt_len, True)
+                if self.incremental:
+                    meta["output_token_logprobs"] = []
+                event: dict[str, Any] = {"text": "" if self.incremental else cut.text,
+                                         "output_ids": [] if self.incremental else cut.ids, "meta_info": meta}
+                await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+                break
             final = n == len(res.ids)
             # the text is revealed in proportion to the tokens (all of it on the last event)
             upto = n_text if final else n_text * n // max(len(res.ids), 1)
@@ -266,10 +278,18 @@ class FakeEngine:
         return web.json_response({"success": True, "message": "ok"})
 
     async def _pause(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read() or b"{}")
+        if request.query.get("mode", body.get("mode", "abort")) == "abort":
+            self._aborts += 1
         self.paused = True
         self._resumed.clear()
         self.events.append("pause")
         return web.json_response({"success": True})
+
+    def _cut(self, res: _Result, n: int) -> _Result:
+        """`res` ended by an abort after n tokens."""
+        self.aborted += 1
+        return _Result(res.ids[:n], res.logprobs[:n], self.decode(res.ids[:n]), {"type": "abort", "message": "paused"})
 
     async def _continue(self, request: web.Request) -> web.Response:
         self.paused = False
@@ -361,8 +381,13 @@ class FakeEngine:
             return web.Response(body=orjson.dumps(out), content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        n_text, n_ids = len(res.text), max(len(res.ids), 1)
+        n_text, n_ids, epoch = len(res.text), max(len(res.ids), 1), self._aborts
         for k in range(len(res.ids)):
+            if self._aborts != epoch:  # a pause aborted it: the end, after the tokens sent so far
+                choice = self._vllm_choice(self._cut(res, k), [], [], "", True)
+                await resp.write(b"data: " + orjson.dumps({"choices": [choice], "usage": None}) + b"\n\n")
+                usage = {**usage, "completion_tokens": k, "total_tokens": len(prompt) + k}
+                break
             final = k == len(res.ids) - 1
             text = res.text[n_text * k // n_ids : (n_text if final else n_text * (k + 1) // n_ids)]
             choice = self._vllm_choice(res, res.ids[k : k + 1], res.logprobs[k : k + 1], text, final)

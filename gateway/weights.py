@@ -1,10 +1,18 @@
 """The weight gate: stamps each call with the weight version serving it, and swaps weights safely.
 
-An update pauses admission of new calls (they wait up to `max_wait` s, then get `Paused`: the app
-answers 503 with Retry-After), waits for in-flight calls to finish, asks every engine to pause, load
-the checkpoint and resume, then bumps the version and reopens. If any engine fails, the engines that
-did load it are moved back to the previous checkpoint (when it is known), the old version keeps
-serving, and the error is raised to the caller.
+An update, in order:
+1. closes admission: new calls are held (up to `max_wait` s, then `Paused`: the app answers 503 with
+   Retry-After) and go on once the update is done, under the new version;
+2. gives in-flight calls `grace` s to finish on the old weights;
+3. has the engines cut short the calls still running: each engine's pause (SGLang's and the built-in
+   engine's default mode, and the vLLM adapter's, is `abort`) ends its running requests now, with the
+   tokens sampled so far and finish_reason "abort", then resumes at once. Their tokens all come from the
+   old weights, so the version stamped at dispatch stays true; a request still on its way to the engine
+   is served and cut short in the next round, once a second, until no call is in flight;
+4. asks every engine to pause, load the checkpoint and resume, then bumps the version and reopens.
+So a long stream delays an update by `grace` s at most, and never fails a call that arrives during it.
+If any engine fails to load, the engines that did load it are moved back to the previous checkpoint
+(when it is known), the old version keeps serving, and the error is raised to the caller.
 
 Exceptions: `Paused` (admission timed out during an update), `UpdateRefused` (a bad request:
 version not increasing, another update running), `engines.EngineError` (an engine failed to load).
@@ -67,10 +75,12 @@ class WeightGate:
         initial_version: int = 0,
         initial_path: str | None = None,
         drain_timeout: float = 600.0,
+        grace: float = 5.0,
     ) -> None:
         self.router = router
         self.max_wait = max_wait  # how long a new call waits for an update before Paused
         self.retry_after = max(1.0, max_wait)
+        self.grace = grace  # how long in-flight calls may run on into an update before the engines end them
         self.drain_timeout = drain_timeout  # longest wait for in-flight calls before giving up the update
         self.version = initial_version
         self.path = initial_path  # checkpoint the engines serve now (for rolling back a partial update)
@@ -121,12 +131,30 @@ class WeightGate:
         return version
 
     async def _drain(self) -> None:
+        """Steps 2 and 3 of the module docstring: the grace, then rounds of abort until nothing is in flight."""
+        if await self._drained_within(self.grace):
+            return
+        clients = self.router.clients
+        deadline = asyncio.get_running_loop().time() + self.drain_timeout
+        while True:
+            log.info("weight update: %d calls still running after the grace; the engines end them", self.in_flight)
+            try:
+                await asyncio.gather(*(c.pause() for c in clients))
+            finally:
+                await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
+            if await self._drained_within(1.0):
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise EngineError(
+                    f"{self.in_flight} calls still running after {self.drain_timeout:g} s; update abandoned"
+                )
+
+    async def _drained_within(self, seconds: float) -> bool:
         try:
-            await asyncio.wait_for(self._drained.wait(), self.drain_timeout)
+            await asyncio.wait_for(self._drained.wait(), seconds)
         except TimeoutError:
-            raise EngineError(
-                f"{self.in_flight} calls still running after {self.drain_timeout:g} s; update abandoned"
-            ) from None
+            return False
+        return True
 
     async def _update_all(self, path: str, version: int) -> None:
         clients = self.router.clients

@@ -3,7 +3,7 @@
     run_dir = "runs/quickstart"
     [model]     how to build the base model (or `dir` of an existing one)
     [sft]       warm start: expert demonstrations per harness, and [trainer] overrides for the SFT pass
-    [services]  ports and limits of the engine and the gateway this job starts
+    [services]  the engine (built-in or vLLM, started on the policy; or a running one) and the gateway
     [trainer]   the RL trainer (`trainer.config.TrainerConfig`; model_dir/output_dir are filled in here)
     [rollout]   the harness mix (`rollout.config.RolloutConfig`)
     [eval]      the held-out evaluation before and after RL
@@ -17,9 +17,10 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollout.config import RolloutConfig
+from stepline.models import check_vllm_shape
 
 __all__ = ["JobConfig", "JobError", "load_job"]
 
@@ -41,6 +42,19 @@ class ModelSection(_Section):
     num_layers: int = Field(4, ge=1, description="transformer layers of the built model")
     num_heads: int = Field(4, ge=1, description="attention heads of the built model")
     num_kv_heads: int = Field(2, ge=1, description="key/value heads of the built model")
+    vllm_compatible: bool = Field(False, description="build a model vLLM serves and reloads (make-model "
+                                  "--vllm-compatible: an untied LM head; hidden_size / num_heads a head size vLLM's "
+                                  "CPU attention supports, e.g. 128 / 2)")
+
+    @model_validator(mode="after")
+    def _vllm_shape(self) -> ModelSection:
+        if not self.vllm_compatible or self.dir is not None:
+            return self
+        if self.kind == "smollm2-135m":
+            raise ValueError("vllm_compatible: smollm2-135m ties its word embeddings, which vLLM 0.32 cannot reload "
+                             "in place; use kind tiny or qwen3-tiny")
+        check_vllm_shape(self.hidden_size, self.num_heads)
+        return self
 
 
 class SFTSection(_Section):
@@ -49,8 +63,18 @@ class SFTSection(_Section):
 
 
 class ServicesSection(_Section):
-    engine_url: str | None = Field(None, description="use this running engine instead of the built-in one")
-    engine_kind: Literal["builtin", "sglang", "vllm"] = Field("builtin", description="adapter for engine_url")
+    engine_url: str | None = Field(None, description="use this running engine instead of starting one")
+    engine_kind: Literal["builtin", "sglang", "vllm"] = Field(
+        "builtin", description="engine_url's adapter; without engine_url the engine the job starts on its policy: "
+        "builtin, or vllm (from vllm_python)")
+    vllm_python: str | None = Field(None, description="python of the environment with vLLM installed, for "
+                                    "engine_kind = vllm (None: $STEPLINE_VLLM_PYTHON)")
+    vllm_args: list[str] = Field(default_factory=list, description="more arguments of the vLLM server the job "
+                                 "starts, e.g. [\"--max-num-seqs\", \"16\"]")
+    vllm_kv_cache_gib: int = Field(1, ge=1, description="KV cache of the vLLM server the job starts, GiB "
+                                   "(VLLM_CPU_KVCACHE_SPACE)")
+    context_length: int | None = Field(None, ge=1, description="prompt + output token limit of the engine the job "
+                                       "starts (None: the model's)")
     startup_timeout_s: float = Field(180.0, gt=0, description="seconds each service may take to become healthy")
     engine_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "float32", description="weights of the built-in engine; auto: bfloat16 where this CPU has bf16 units")
@@ -76,6 +100,17 @@ class JobConfig(_Section):
     trainer: dict[str, Any] = Field(default_factory=dict, description="TrainerConfig fields for the RL phase")
     rollout: RolloutConfig = RolloutConfig()
     eval: EvalSection = EvalSection()
+
+    @model_validator(mode="after")
+    def _startable_engine(self) -> JobConfig:
+        svc, model = self.services, self.model
+        if svc.engine_url is None and svc.engine_kind == "sglang":
+            raise ValueError("services.engine_kind: a job starts the built-in engine or vLLM; give "
+                             "services.engine_url of a running SGLang server")
+        if svc.engine_url is None and svc.engine_kind == "vllm" and model.dir is None and not model.vllm_compatible:
+            raise ValueError("model.vllm_compatible: the job starts vLLM on the model it builds, so build one vLLM "
+                             "can serve and reload in place (vllm_compatible = true)")
+        return self
 
 
 def load_job(path: Path, overrides: dict[str, Any] | None = None) -> JobConfig:

@@ -3,7 +3,8 @@
 `stepline.up.start` puts the parent's pid in the child's environment; the child's CLI entry calls
 `die_with_parent()`, which asks Linux for SIGTERM when the parent goes (prctl PR_SET_PDEATHSIG). The
 engine and the gateway treat SIGTERM as a clean shutdown (the gateway flushes its records first), so a
-killed job leaves no engine holding its port and memory.
+killed job leaves no engine holding its port and memory. A program that cannot make that call (vLLM) is
+started as `python -m stepline.lifeline PROGRAM ARGS...`: that asks for the signal, then execs PROGRAM.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import signal
 import sys
 
-__all__ = ["PARENT_PID_ENV", "die_with_parent"]
+__all__ = ["PARENT_PID_ENV", "die_with_parent", "exec_with_parent"]
 
 PARENT_PID_ENV = "STEPLINE_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -30,3 +31,14 @@ def die_with_parent() -> None:
         return
     if os.getppid() != int(parent):  # the parent was already gone before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def exec_with_parent(argv: list[str]) -> None:
+    """Become `argv` (execv) bound to our parent: for a program that cannot call `die_with_parent` itself
+    (vLLM). The death signal survives execve, except into a set-user-ID program."""
+    die_with_parent()
+    os.execv(argv[0], argv)
+
+
+if __name__ == "__main__":  # python -m stepline.lifeline PROGRAM ARGS...
+    exec_with_parent(sys.argv[1:])

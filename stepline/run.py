@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import time
 import tomllib
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ import click
 from stepline.job import JobConfig, JobError, ServicesSection, load_job
 
 if TYPE_CHECKING:
+    from stepline.up import Child
     from trainer.config import TrainerConfig
 
 __all__ = ["run_command", "run_job"]
@@ -117,7 +119,7 @@ def build_base_model(cfg: JobConfig, run: RunDir) -> Path:
         m = cfg.model
         seed = cfg.seed if m.seed is None else m.seed
         build_model(run.base_model, kind=m.kind, seed=seed, hidden_size=m.hidden_size, num_layers=m.num_layers,
-                    num_heads=m.num_heads, num_kv_heads=m.num_kv_heads)
+                    num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, tie_embeddings=not m.vllm_compatible)
     return run.base_model
 
 
@@ -151,15 +153,16 @@ def warm_start(cfg: JobConfig, run: RunDir, base: Path, sft: TrainerConfig) -> P
 
 @contextmanager
 def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[str]:
-    """The built-in engine (unless the job names one) and the gateway, as subprocesses; yields the gateway URL."""
+    """The engine (unless the job names a running one) and the gateway, as subprocesses; yields the gateway URL
+    (run_dir/services.json names both while they run)."""
     from stepline.up import free_port, start, stop_all, wait_healthy
 
     children = []
     try:
         engine_url, kind = cfg.services.engine_url, cfg.services.engine_kind
         if engine_url is None:
-            engine_url, kind = f"http://127.0.0.1:{free_port()}", "builtin"
-            children.append(start("engine", engine_argv(cfg.services, policy, engine_url), run.logs))
+            engine_url = f"http://127.0.0.1:{free_port()}"
+            children.append(start_engine(cfg.services, policy, engine_url, run.logs))
             wait_healthy(children[-1], engine_url, cfg.services.startup_timeout_s)
         gateway_url = f"http://127.0.0.1:{free_port()}"
         children.append(start("gateway", ["gateway", "--engine", engine_url, "--engine-kind", kind, "--model", str(policy),
@@ -167,22 +170,45 @@ def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[
                                            "--spill", str(run.root / "gateway.spill")], run.logs,
                                      {"STEPLINE_ADMIN_TOKEN": token}))  # in the environment: ps shows argv
         wait_healthy(children[-1], gateway_url, cfg.services.startup_timeout_s)
+        (run.root / "services.json").write_text(json.dumps({"engine": engine_url, "engine_kind": kind,
+                                                            "gateway": gateway_url}, indent=1))
         yield gateway_url
     finally:
         stop_all(children)
 
 
-def engine_argv(svc: ServicesSection, policy: Path, url: str) -> list[str]:
-    """`stepline engine` arguments of the built-in engine the job starts."""
+def start_engine(svc: ServicesSection, policy: Path, url: str, logs: Path) -> Child:
+    """The engine the job starts on its policy: the built-in one, or vLLM from its own environment."""
+    from stepline.up import engine_token, start, start_program
+    from stepline.vllm_server import vllm_argv, vllm_env, vllm_python
+
+    if svc.engine_kind != "vllm":
+        return start("engine", engine_argv(svc, policy, url), logs)
+    try:
+        python = vllm_python(svc.vllm_python)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+    argv = vllm_argv(python, policy, url, engine_dtype(svc), svc.context_length, svc.vllm_args)
+    env = vllm_env(svc.engine_threads, engine_token(), svc.vllm_kv_cache_gib)
+    return start_program("engine", [sys.executable, "-m", "stepline.lifeline", *argv], logs, env)
+
+
+def engine_dtype(svc: ServicesSection) -> str:
+    """float32 or bfloat16 (auto: bfloat16 where this CPU has bf16 units)."""
     import torch
 
     from trainer.precision import fast_bf16
 
-    dtype = svc.engine_dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if fast_bf16(torch.device("cpu")) else "float32"
-    argv = ["engine", "--model", str(policy), "--port", url.rsplit(":", 1)[1], "--dtype", dtype,
+    if svc.engine_dtype != "auto":
+        return svc.engine_dtype
+    return "bfloat16" if fast_bf16(torch.device("cpu")) else "float32"
+
+
+def engine_argv(svc: ServicesSection, policy: Path, url: str) -> list[str]:
+    """`stepline engine` arguments of the built-in engine the job starts."""
+    argv = ["engine", "--model", str(policy), "--port", url.rsplit(":", 1)[1], "--dtype", engine_dtype(svc),
             "--prefix-cache-mb", str(svc.prefix_cache_mb)]
+    argv += ["--context-length", str(svc.context_length)] if svc.context_length else []
     return argv + (["--threads", str(svc.engine_threads)] if svc.engine_threads else [])
 
 

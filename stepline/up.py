@@ -52,13 +52,18 @@ def engine_token() -> str:
 def start(name: str, args: list[str], logs: Path, env: dict[str, str] | None = None) -> Child:
     """Start `stepline <args>` as child `name`; env: extra variables (tokens travel there, not in argv,
     so `ps` shows none of them)."""
+    return start_program(name, [sys.executable, "-m", "stepline.cli", *args], logs, env)
+
+
+def start_program(name: str, argv: list[str], logs: Path, env: dict[str, str] | None = None) -> Child:
+    """Start `argv` as child `name`, its output in logs/NAME.log. A program that is not `stepline` must be
+    started through `python -m stepline.lifeline` to die with us (stepline.lifeline)."""
     log = logs / f"{name}.log"
     out = log.open("ab")
     # own session: Ctrl-C reaches only `up`, which then stops the children in order; and a child dies
     # with us even when we are killed with -9 (stepline.lifeline)
     env = {**os.environ, "STEPLINE_ENGINE_TOKEN": engine_token(), PARENT_PID_ENV: str(os.getpid()), **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env)
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     out.close()
     return Child(name, proc, log)
 

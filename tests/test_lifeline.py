@@ -55,3 +55,33 @@ def test_a_bound_process_runs_on_and_does_not_pass_the_binding_on() -> None:
     for env in ({}, {"STEPLINE_PARENT_PID": str(os.getpid())}):  # by hand, and started by a live parent
         run = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
         assert run.returncode == 0 and run.stdout.strip() == "None", run.stderr
+
+
+EXEC_PARENT = """
+import sys, time
+from pathlib import Path
+from stepline.up import start_program
+child = start_program("sleeper", [sys.executable, "-m", "stepline.lifeline", "/bin/sleep", "600"], Path(sys.argv[1]))
+print(child.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_program_started_through_the_lifeline_exits_with_its_parent(tmp_path: Path) -> None:
+    """What `stepline run` does for vLLM, which cannot call die_with_parent itself."""
+    parent = subprocess.Popen([sys.executable, "-c", EXEC_PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        deadline = time.monotonic() + 20
+        while not Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"/bin/sleep") and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the lifeline has become the program
+        assert Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[:2] == [b"/bin/sleep", b"600"]
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(child), "the program outlived its killed parent"
+    finally:
+        parent.kill()
+        parent.wait()

@@ -42,6 +42,12 @@ class Generation:
     prompt_tokens: int
     weight_version: int  # the version the engine reports (or the adapter last installed)
 
+    @property
+    def truncated(self) -> bool:
+        """Cut short: by the token budget ("length"), or by the engine ("abort": e.g. a weight update ended
+        it, gateway/weights.py). Both are answered as the API's truncation (length, max_tokens, incomplete)."""
+        return self.finish_reason in ("length", "abort")
+
 
 @dataclass
 class StreamDelta:

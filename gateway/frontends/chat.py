@@ -183,7 +183,7 @@ def to_call(req: ChatRequest, max_n: int) -> pipeline.ChatCall:
 def finish_reason(gen: Generation, parsed: ParsedOutput) -> str:
     if parsed.tool_calls and gen.finish_reason == "stop":
         return "tool_calls"
-    return "length" if gen.finish_reason == "length" else "stop"
+    return "length" if gen.truncated else "stop"
 
 
 def tool_call_json(call: Any, index: int | None = None) -> dict:

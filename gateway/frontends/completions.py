@@ -83,7 +83,7 @@ class Completions:
     def choice(self, index: int, gen: Generation, text: str | None = None) -> dict:
         return {"index": index, "text": gen.text if text is None else text,
                 "logprobs": self.logprobs(gen.output_ids, gen.logprobs),
-                "finish_reason": "length" if gen.finish_reason == "length" else "stop"}
+                "finish_reason": "length" if gen.truncated else "stop"}
 
     def answer(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -159,7 +159,7 @@ async def _stream(job: Completions, request: web.Request, source: str | list[int
             out = chunk(index, delta.text, job.logprobs(delta.output_ids, delta.logprobs), None)
             if delta.final is not None:
                 finals[index] = delta.final
-                out += chunk(index, "", None, "length" if delta.final.finish_reason == "length" else "stop")
+                out += chunk(index, "", None, "length" if delta.final.truncated else "stop")
             await response.write(out)
         if any(f is None for f in finals):
             raise ApiError(502, "engine: the stream ended without a final chunk", code="engine_error")

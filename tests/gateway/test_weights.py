@@ -104,3 +104,26 @@ async def test_refused_updates(http) -> None:
         with pytest.raises(UpdateRefused, match="another weight update"):
             await gate.update_weights("/ckpt/4", 4)
         assert await first == 3
+
+
+async def test_a_call_still_on_its_way_when_the_engine_cuts_is_cut_in_the_next_round(http) -> None:
+    """The engine ends only what it runs: a request that reaches it after the first cut (here it spends 0.3 s
+    before it starts) streams on, and the next round, a second later, ends it; the update then goes ahead."""
+    fake = FakeEngine(latency=0.3, token_delay=0.02, default_tokens=400)
+    async with fake as url:
+        engine = make_engine(url, "sglang", http, 5)
+        gate = WeightGate(EngineRouter([engine]), max_wait=30, grace=0.05)
+
+        async def long_stream():
+            async with gate.admit() as version:
+                return version, [d async for d in engine.stream([1, 2], SamplingParams(max_new_tokens=400))][-1]
+
+        stream = asyncio.create_task(long_stream())
+        await asyncio.sleep(0.01)  # admitted, on its way
+        assert await gate.update_weights("/ckpt/1", 1) == 1
+        version, last = await stream
+    assert (version, last.final.finish_reason) == (0, "abort")
+    assert 0 < len(last.final.output_ids) < 400
+    # the request arrives ("generate"), round 1 finds nothing running, round 2 ends the stream; then the update
+    assert fake.events == ["generate", "pause", "resume", "pause", "resume", "pause", "update:1", "resume"]
+    assert fake.aborted == 1
