@@ -117,6 +117,9 @@ class RolloutPart:
 class TrainerPart:
     """The trainer (one process: multi-rank data parallel is not wired), pushing to every gateway."""
 
+    def __init__(self) -> None:
+        import trainer.loop  # noqa: F401  (torch and transformers: started early, it loads while services start)
+
     def train(self, cfg: Any, pool_url: str, gateway_urls: list[str], admin_token: str,
               rollouts: list[Any]) -> dict[str, int]:
         from datapool import open_pool

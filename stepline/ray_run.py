@@ -73,13 +73,18 @@ def run_ray_job(cfg: JobConfig, address: str | None) -> dict[str, Any]:
     ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": str(_ROOT)}}, log_to_driver=False)
     token = secrets.token_urlsafe(16)
     try:
+        from stepline.ray_parts import TrainerPart
+
+        # the trainer's process starts now: its imports (seconds to minutes on a busy machine) overlap
+        # the services' start and the first evaluation instead of delaying the first update
+        trainer = actor(TrainerPart, "stepline-trainer", cfg.cluster.trainer).remote()
         with placed_services(cfg, run, policy, token, pool_url) as placed:
             url = placed.gateway_urls[0]
             rl_cfg = rl_cfg.model_copy(update={"model_dir": policy, "gateway_url": url, "admin_token": token})
             with run.phase("eval_before"):
                 evaluate_once(cfg, run, url, token, "before")
             with run.phase("rl"):
-                train_on_ray(cfg, run, rl_cfg, placed, pool_url)
+                train_on_ray(cfg, run, rl_cfg, placed, pool_url, trainer)
             with run.phase("eval_after"):
                 evaluate_once(cfg, run, url, token, f"after-{cfg.rl_updates}")
             report = cluster_report(placed)
@@ -141,11 +146,11 @@ def engine_command(cfg: JobConfig, policy: Path) -> list[str]:
     return [sys.executable, "-m", "stepline.cli", *argv, "--host", "{host}"]
 
 
-def train_on_ray(cfg: JobConfig, run: RunDir, tcfg: Any, placed: Placed, pool_url: str) -> None:
+def train_on_ray(cfg: JobConfig, run: RunDir, tcfg: Any, placed: Placed, pool_url: str, trainer: Any) -> None:
     """Rollout workers (actors) and the trainer (one actor) until rl_updates updates are done."""
     import ray
 
-    from stepline.ray_parts import RolloutPart, TrainerPart
+    from stepline.ray_parts import RolloutPart
 
     if cfg.rl_updates == 0:
         return
@@ -155,7 +160,6 @@ def train_on_ray(cfg: JobConfig, run: RunDir, tcfg: Any, placed: Placed, pool_ur
         cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + i}), placed.gateway_urls[i % c.gateways], tcfg.admin_token,
         run.root / "episodes" / f"worker-{i}", pool_url, share, cfg.groups_ahead,
         cfg.rl_updates * cfg.max_batches_per_update, c.rollout_workers) for i in range(c.rollout_workers)]
-    trainer = actor(TrainerPart, "stepline-trainer", c.trainer).remote()
     rows: list[dict[str, Any]] = []
     try:
         ray.get([w.start.remote() for w in workers])
