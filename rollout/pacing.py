@@ -4,7 +4,8 @@ The driver runs batches of `batch_groups` groups, one after another, and starts 
 fewer than `ahead` batches' worth of finished groups wait unclaimed in the pool: with ahead=1 the next
 batch is rolled out while the trainer updates on the previous one (one-step off-policy; the trainer's
 staleness bound checks it). After `max_batches` batches it stops; the trainer then goes idle and ends,
-so a job whose groups never vary (nothing to learn from) still finishes.
+so a job whose groups never vary (nothing to learn from) still finishes. With `peers` drivers sharing one
+pool (`stepline run --ray`: one per rollout worker), each counts its share (1/peers) of the groups taken.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ __all__ = ["BackgroundRollouts"]
 
 class BackgroundRollouts:
     def __init__(self, config: RolloutConfig, gateway_url: str, admin_token: str, work_dir: Path, pool: Pool,
-                 batch_groups: int, ahead: int, max_batches: int | None = None) -> None:
+                 batch_groups: int, ahead: int, max_batches: int | None = None, peers: int = 1) -> None:
         self.config, self.gateway_url, self.admin_token = config, gateway_url, admin_token
         self.work_dir, self.pool = Path(work_dir), pool
         self.batch_groups, self.ahead, self.max_batches = batch_groups, ahead, max_batches
+        self.peers = peers  # drivers sharing the pool, each counting 1/peers of its taken groups
         self.driver: RolloutDriver | None = None
         self.history: list[dict[str, Any]] = []  # one row per finished episode, with its time
         self.error: BaseException | None = None
@@ -87,7 +89,8 @@ class BackgroundRollouts:
         assert self.driver is not None
         batches = 0
         while not self._stop.is_set() and (self.max_batches is None or batches < self.max_batches):
-            waiting = batches * self.batch_groups - (await asyncio.to_thread(self._taken) - self._baseline)
+            taken = (await asyncio.to_thread(self._taken) - self._baseline) / self.peers
+            waiting = batches * self.batch_groups - taken
             if waiting >= self.ahead * self.batch_groups:
                 await asyncio.sleep(0.2)
                 continue

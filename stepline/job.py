@@ -7,6 +7,7 @@
     [trainer]   the RL trainer (`trainer.config.TrainerConfig`; model_dir/output_dir are filled in here)
     [rollout]   the harness mix (`rollout.config.RolloutConfig`)
     [eval]      the held-out evaluation before and after RL
+    [cluster]   `stepline run --ray` only: how many of each part, their Ray resources, the PostgreSQL pool
 
 Relative paths are resolved against the job file's folder. Errors name the table and the field.
 """
@@ -87,6 +88,31 @@ class EvalSection(_Section):
     every: int | None = Field(None, ge=1, description="also evaluate every k RL updates (None: before and after)")
 
 
+class PartResources(_Section):
+    num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves for each such part (0: placed anywhere)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each such part")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. a node label")
+
+
+class ClusterSection(_Section):
+    engines: int = Field(1, ge=1, description="engine replicas (built-in, or `engine_command`)")
+    gateways: int = Field(1, ge=1, description="gateways; the engines are split evenly among them (each fronts its own share)")
+    rollout_workers: int = Field(1, ge=1, description="rollout workers; worker i plays against gateway i mod gateways")
+    pool_url: str | None = Field(None, description="PostgreSQL pool URL (None: the STEPLINE_PG_URL environment variable)")
+    engine_command: list[str] | None = Field(
+        None, description="argv of an external engine (SGLang, vLLM) with {model} {host} {port}; None: built-in")
+    engine: PartResources = PartResources()
+    gateway: PartResources = PartResources()
+    rollout: PartResources = PartResources()
+    trainer: PartResources = PartResources()
+
+    @model_validator(mode="after")
+    def _engines_split(self) -> ClusterSection:
+        if self.engines % self.gateways:
+            raise ValueError(f"engines ({self.engines}) must be a multiple of gateways ({self.gateways})")
+        return self
+
+
 class JobConfig(_Section):
     run_dir: Path = Field(Path("runs/job"), description="config, pool, metrics, checkpoints, plot and summary go here")
     seed: int = Field(0, description="seed of the job (model, rollouts, trainer)")
@@ -100,6 +126,7 @@ class JobConfig(_Section):
     trainer: dict[str, Any] = Field(default_factory=dict, description="TrainerConfig fields for the RL phase")
     rollout: RolloutConfig = RolloutConfig()
     eval: EvalSection = EvalSection()
+    cluster: ClusterSection = ClusterSection()
 
     @model_validator(mode="after")
     def _startable_engine(self) -> JobConfig:

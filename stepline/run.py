@@ -300,7 +300,12 @@ def _overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
               help="Override a job field, e.g. --set rl_updates=2 --set run_dir=runs/x (TOML values).")
 @click.option("--dashboard-port", type=click.IntRange(0, 65535), default=None,
               help="Also serve `stepline dashboard` of the run on 127.0.0.1 at this port (0: a free one).")
-def run_command(job: Path, overrides: tuple[str, ...], dashboard_port: int | None) -> None:
+@click.option("--ray", "on_ray", is_flag=True,
+              help="Place the job's parts on a Ray cluster ([cluster] table; needs the stepline[ray] extra).")
+@click.option("--ray-address", default=None, metavar="ADDR",
+              help="Ray cluster to join, e.g. 10.0.0.1:6379 or auto (default: start a local Ray instance).")
+def run_command(job: Path, overrides: tuple[str, ...], dashboard_port: int | None, on_ray: bool,
+                ray_address: str | None) -> None:
     """Run a whole job: model, SFT warm start, services, RL, evaluation, plot and summary."""
     from transformers.utils import logging as hf_logging
 
@@ -312,10 +317,20 @@ def run_command(job: Path, overrides: tuple[str, ...], dashboard_port: int | Non
     hf_logging.disable_progress_bar()  # HF's loading/saving bars would tear through the live panel
     from stepline.dashboard.cli import dashboard_beside
 
+    if ray_address and not on_ray:
+        raise click.UsageError("--ray-address needs --ray")
+    if on_ray:
+        try:
+            import ray  # noqa: F401
+
+            from stepline.ray_run import run_ray_job
+        except ImportError as exc:
+            raise click.ClickException("--ray needs Ray: pip install 'stepline[ray]'") from exc
+
     try:
         cfg = load_job(job, _overrides(overrides))
         with dashboard_beside([str(cfg.run_dir)], dashboard_port, cfg.run_dir / "logs"):
-            summary = run_job(cfg)
+            summary = run_ray_job(cfg, ray_address) if on_ray else run_job(cfg)
     except JobError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_summary(summary))

@@ -27,7 +27,7 @@ from torch import nn
 from httpretry import RetryPolicy, transport_error
 from trainer.trainable import full_state_dict, has_lora
 
-__all__ = ["GatewayWeightSync", "NoWeightSync", "RecordingWeightSync", "WeightSync", "WeightSyncError",
+__all__ = ["FanOutWeightSync", "GatewayWeightSync", "NoWeightSync", "RecordingWeightSync", "WeightSync", "WeightSyncError",
            "save_weights", "saved_weights"]
 
 # files of the source model directory the engine needs next to the weights
@@ -89,6 +89,22 @@ class GatewayWeightSync:
 
     def close(self) -> None:
         self._http.close()
+
+
+@dataclass
+class FanOutWeightSync:
+    """The same push to several syncs in order (one gateway per share of the engines, `stepline run --ray`);
+    each gateway does its own pause → load → version → resume. The first failure stops the push."""
+
+    syncs: list[WeightSync]
+
+    def push(self, path: Path, version: int) -> None:
+        for sync in self.syncs:
+            sync.push(path, version)
+
+    def close(self) -> None:
+        for sync in self.syncs:
+            sync.close()
 
 
 @dataclass

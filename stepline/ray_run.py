@@ -1,0 +1,201 @@
+"""`stepline run JOB.toml --ray [--ray-address ADDR]`: the same job, its parts placed on a Ray cluster.
+
+    model + SFT warm start (here, on the driver) → engines (N replicas) → gateways (each fronting its share
+    of the engines, all writing to one PostgreSQL pool) → evaluate (before, through gateway 0)
+    → RL: rollout workers (actors, worker i against gateway i mod G) + the trainer (one actor) pushing
+    weights to every gateway → evaluate (after) → cluster report, plot + summary
+
+Ray places the parts (SPREAD over the nodes, each with its `[cluster]` resources) and carries URLs between
+them; every part is the process or loop it is on one machine (stepline/ray_parts.py). Without an address a
+local Ray instance starts. The run directory must be on a file system every node sees (weights travel
+through it, as on one machine). Not wired yet: multi-rank data-parallel training, the NCCL weight path,
+restarting a dead part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from stepline.job import JobConfig, JobError, PartResources
+from stepline.run import (
+    RunDir,
+    build_base_model,
+    engine_argv,
+    evaluate_once,
+    save_rollouts,
+    trainer_configs,
+    warm_start,
+    write_summary,
+)
+
+__all__ = ["run_ray_job"]
+
+_ROOT = Path(__file__).resolve().parents[1]  # the checkout the driver runs; the workers import the same code
+
+
+@dataclass
+class Placed:
+    """The service actors of one run and their URLs (engines[i] belongs to gateway i // per_gateway)."""
+
+    engines: list[Any] = field(default_factory=list)
+    engine_urls: list[str] = field(default_factory=list)
+    gateways: list[Any] = field(default_factory=list)
+    gateway_urls: list[str] = field(default_factory=list)
+
+
+def run_ray_job(cfg: JobConfig, address: str | None) -> dict[str, Any]:
+    """The main job on Ray; returns the summary (run_dir/summary.json) with the cluster report added."""
+    import ray
+
+    pool_url = cfg.cluster.pool_url or os.environ.get("STEPLINE_PG_URL")
+    if not pool_url or not pool_url.startswith("postgresql://"):
+        raise JobError("stepline run --ray needs a PostgreSQL pool: set cluster.pool_url or STEPLINE_PG_URL")
+    run = RunDir(cfg.run_dir)
+    for path in (run.root, run.logs, run.root / "eval"):
+        path.mkdir(parents=True, exist_ok=True)
+    (run.root / "job.json").write_text(cfg.model_dump_json(indent=1))
+    with run.phase("model"):
+        base = build_base_model(cfg, run)
+    sft_cfg, rl_cfg = trainer_configs(cfg, run, base)
+    with run.phase("sft"):
+        policy = warm_start(cfg, run, base, sft_cfg)
+    ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": str(_ROOT)}}, log_to_driver=False)
+    token = secrets.token_urlsafe(16)
+    try:
+        from stepline.ray_parts import TrainerPart
+
+        # the trainer's process starts now: its imports (seconds to minutes on a busy machine) overlap
+        # the services' start and the first evaluation instead of delaying the first update
+        trainer = actor(TrainerPart, "stepline-trainer", cfg.cluster.trainer).remote()
+        with placed_services(cfg, run, policy, token, pool_url) as placed:
+            url = placed.gateway_urls[0]
+            rl_cfg = rl_cfg.model_copy(update={"model_dir": policy, "gateway_url": url, "admin_token": token})
+            with run.phase("eval_before"):
+                evaluate_once(cfg, run, url, token, "before")
+            with run.phase("rl"):
+                train_on_ray(cfg, run, rl_cfg, placed, pool_url, trainer)
+            with run.phase("eval_after"):
+                evaluate_once(cfg, run, url, token, f"after-{cfg.rl_updates}")
+            report = cluster_report(placed)
+    finally:
+        ray.shutdown()
+    (run.root / "cluster.json").write_text(json.dumps(report, indent=1))
+    summary = write_summary(cfg, run)
+    summary["cluster"] = report
+    return summary
+
+
+def actor(cls: type, name: str, part: PartResources) -> Any:
+    """`ray.remote(cls)` with the part's resources, spread over the nodes."""
+    import ray
+
+    return ray.remote(cls).options(name=name, num_cpus=part.num_cpus, num_gpus=part.num_gpus,
+                                   resources=dict(part.resources), scheduling_strategy="SPREAD")
+
+
+@contextmanager
+def placed_services(cfg: JobConfig, run: RunDir, policy: Path, token: str, pool_url: str) -> Iterator[Placed]:
+    """Engine replicas, then the gateways over them; on exit gateways stop first (they flush), then engines."""
+    import ray
+
+    from stepline.ray_parts import ServicePart
+    from stepline.up import engine_token
+
+    c, placed = cfg.cluster, Placed()
+    env = {"STEPLINE_ENGINE_TOKEN": engine_token()}
+    timeout = cfg.services.startup_timeout_s
+    try:
+        for i in range(c.engines):
+            placed.engines.append(actor(ServicePart, f"stepline-engine-{i}", c.engine).remote(
+                f"engine-{i}", engine_command(cfg, policy), run.logs, env, str(policy)))
+        placed.engine_urls = ray.get([e.start.remote(timeout) for e in placed.engines])
+        share = c.engines // c.gateways
+        kind = cfg.services.engine_kind if c.engine_command else "builtin"
+        for g in range(c.gateways):
+            engines = [arg for u in placed.engine_urls[g * share:(g + 1) * share] for arg in ("--engine", u)]
+            argv = [sys.executable, "-m", "stepline.cli", "gateway", *engines, "--engine-kind", kind,
+                    "--model", str(policy), "--pool", pool_url, "--host", "{host}", "--port", "{port}",
+                    "--spill", str(run.root / f"gateway-{g}.spill")]
+            placed.gateways.append(actor(ServicePart, f"stepline-gateway-{g}", c.gateway).remote(
+                f"gateway-{g}", argv, run.logs, {**env, "STEPLINE_ADMIN_TOKEN": token}))
+        placed.gateway_urls = ray.get([g.start.remote(timeout) for g in placed.gateways])
+        yield placed
+    finally:
+        for group in (placed.gateways, placed.engines):
+            ray.get([part.stop.remote() for part in group])
+            for part in group:
+                ray.kill(part)
+
+
+def engine_command(cfg: JobConfig, policy: Path) -> list[str]:
+    """The engine's argv with {host} {port} {model} placeholders: the job's command template, or the built-in."""
+    if cfg.cluster.engine_command:
+        return list(cfg.cluster.engine_command)
+    argv = engine_argv(cfg.services, policy, "http://{host}:{port}")
+    return [sys.executable, "-m", "stepline.cli", *argv, "--host", "{host}"]
+
+
+def train_on_ray(cfg: JobConfig, run: RunDir, tcfg: Any, placed: Placed, pool_url: str, trainer: Any) -> None:
+    """Rollout workers (actors) and the trainer (one actor) until rl_updates updates are done."""
+    import ray
+
+    from stepline.ray_parts import RolloutPart
+
+    if cfg.rl_updates == 0:
+        return
+    c = cfg.cluster
+    share = -(-tcfg.groups_per_update // c.rollout_workers)  # each worker's groups per batch (ceil)
+    workers = [actor(RolloutPart, f"stepline-rollout-{i}", c.rollout).remote(
+        cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + i}), placed.gateway_urls[i % c.gateways], tcfg.admin_token,
+        run.root / "episodes" / f"worker-{i}", pool_url, share, cfg.groups_ahead,
+        cfg.rl_updates * cfg.max_batches_per_update, c.rollout_workers) for i in range(c.rollout_workers)]
+    rows: list[dict[str, Any]] = []
+    try:
+        ray.get([w.start.remote() for w in workers])
+        ray.get(trainer.train.remote(tcfg, pool_url, placed.gateway_urls, tcfg.admin_token, workers))
+    finally:
+        errors = []
+        for i, w in enumerate(workers):
+            try:
+                history, error = ray.get(w.finish.remote())
+            except ray.exceptions.RayActorError as exc:  # a lost worker: its episodes end as the gateway reaps them
+                history, error = [], f"worker lost: {exc.__class__.__name__}"
+            rows += [{**r, "worker": i} for r in history]
+            if error:
+                errors.append(f"rollout worker {i}: {error}")
+        save_rollouts(run.rl / "rollouts.json", rows)
+        for part in (*workers, trainer):
+            ray.kill(part)
+    if errors:
+        raise click.ClickException("; ".join(errors))
+
+
+_CALLS = re.compile(r"^stepline_gateway_calls_total\{[^}]*\} ([0-9.e+]+)$", re.M)
+
+
+def cluster_report(placed: Placed) -> dict[str, Any]:
+    """What each part did, read from the parts themselves: calls per gateway (its /metrics), the weight
+    version each gateway stamps (/health) and each engine serves (/get_model_info)."""
+    import ray
+
+    gateways = []
+    for url, part in zip(placed.gateway_urls, placed.gateways, strict=True):
+        (_, metrics), (_, health) = ray.get([part.get.remote("/metrics"), part.get.remote("/health")])
+        gateways.append({"url": url, "calls": sum(float(v) for v in _CALLS.findall(metrics)),
+                         "weight_version": json.loads(health)["weight_version"]})
+    engines = []
+    for url, part in zip(placed.engine_urls, placed.engines, strict=True):
+        status, body = ray.get(part.get.remote("/get_model_info"))
+        engines.append({"url": url, **(json.loads(body) if status == 200 else {"status": status})})
+    return {"gateways": gateways, "engines": engines}
