@@ -57,7 +57,8 @@ def test_unreachable_service_raises_pool_unavailable_not_pool_error():
 def start_service(db: str, *command: str) -> tuple[subprocess.Popen, str]:
     args = command or ("pool", "serve")
     proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", *args, "--db", db, "--port", "0"],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True,  # Ctrl-C as in a terminal, even where the
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # suite runs in `&`
     line = proc.stdout.readline()  # "stepline pool: serving … on http://127.0.0.1:PORT"
     assert "serving" in line, line
     return proc, line.rsplit(" ", 1)[1].strip()
