@@ -77,7 +77,12 @@ class QuotaDisk:
 
     def exhausted(self) -> str | None:
         """A note for the agent when the tmpfs is full (writes then fail with ENOSPC), else None."""
-        fs = os.statvfs(self.live)
+        try:
+            fs = os.statvfs(self.live)
+        except OSError as exc:  # the holder died during the command, and its /proc root with it
+            code = self._holder.wait(timeout=5)
+            raise QuotaUnavailable(f"the episode's tmpfs is gone: its holder exited ({code}) before the episode "
+                                   "ended") from exc
         if self.disk_bytes is not None and fs.f_bavail == 0:
             return f"[sandbox disk quota of {self.disk_bytes} bytes reached: No space left on device]"
         if self.inodes is not None and fs.f_favail == 0:
