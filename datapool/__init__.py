@@ -21,6 +21,7 @@ def open_pool(url: str, read_only: bool = False) -> Pool:
       to trade power-loss durability for speed; `sqlite:///:memory:` for a throwaway pool;
     - `postgresql://user@host:port/db[?schema=NAME]`;
     - `http://host:port`: the pool service (`stepline pool serve`);
+    - a path to a SQLite pool database (opened as `sqlite:///` of it);
     - a path to an export file (`stepline pool export`): loaded in memory, read-only (claims allowed,
       not persisted).
     """
@@ -40,7 +41,14 @@ def open_pool(url: str, read_only: bool = False) -> Pool:
 
         return PoolClient(url, read_only=read_only)
     if os.path.isfile(url):
+        if _is_sqlite(url):  # a pool database named by its path, as `stepline run` prints it
+            return open_pool(f"sqlite:///{os.path.abspath(url)}", read_only=read_only)
         from datapool.export import load_export
 
         return load_export(url)
     raise PoolError(f"cannot open pool {url!r}: expected sqlite:///…, postgresql://…, http://… or an export file")
+
+
+def _is_sqlite(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(16) == b"SQLite format 3\x00"

@@ -186,13 +186,16 @@ def action_tokens(episode: EpisodeData) -> int:
 
 
 def group_filter(cfg: TrainerConfig):
-    """Evaluation sessions never train; dynamic sampling (RL): a group whose outcomes do not vary carries no signal."""
+    """Evaluation sessions never train; dynamic sampling (RL): a group whose outcomes do not vary carries no signal,
+    unless self-imitation is on and every episode of it succeeded."""
 
     def reason(group: Group) -> str | None:
         if any(ep.info.metadata.get("eval") for ep in group.episodes):  # stepline eval marks its sessions
             return "eval"
-        if cfg.mode == "rl" and cfg.dynamic_sampling and not has_reward_variance([e.outcome for e in group.episodes]):
-            return "no_variance"
+        outcomes = [e.outcome for e in group.episodes]
+        if cfg.mode == "rl" and cfg.dynamic_sampling and not has_reward_variance(outcomes):
+            imitated = cfg.imitation_coef > 0 and bool(outcomes) and min(outcomes) >= cfg.imitation_min_outcome
+            return None if imitated else "no_variance"
         return None
 
     return reason

@@ -103,6 +103,11 @@ class TrainerConfig(BaseModel):
         "masking tokens outside [is_floor, tis_cap] (icepop), or by rejecting trajectories whose product ratio "
         "exceeds tis_cap (mis)")
     is_floor: float = Field(0.5, ge=0, description="icepop: lower bound of the kept trainer/engine ratio")
+    imitation_coef: float = Field(0.0, ge=0, description="self-imitation (SIL, RAFT): added to every step's "
+                                  "advantage of an episode whose outcome reached imitation_min_outcome; groups that "
+                                  "all reached it then train too, though dynamic sampling skips other flat groups "
+                                  "(0: off)")
+    imitation_min_outcome: float = Field(1.0, description="the outcome an episode needs for the imitation bonus")
     kl_coef: float = Field(0.0, ge=0, description="weight of KL(policy || frozen reference); 0 loads no reference")
     kl_estimator: str = Field("k3", description="a key of KL_ESTIMATORS: k1 | k2 | k3")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")

@@ -36,6 +36,7 @@ from trainer.algorithms import (
     decoupled_weights,
     fresh_mask,
     icepop_weights,
+    imitation_bonus,
     kl_penalty,
     mis_weights,
     sapo_kl_term,
@@ -94,6 +95,8 @@ class Objective:
     tis_level: Literal["token", "step"] = "step"
     is_correction: Literal["tis", "icepop", "mis"] = "tis"  # how the trainer/engine weight is bounded
     is_floor: float = 0.5  # IcePop's lower bound (tis_cap is the upper one)
+    imitation_coef: float = 0.0  # self-imitation bonus on episodes with outcome >= imitation_min_outcome
+    imitation_min_outcome: float = 1.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -206,6 +209,9 @@ def _advantages(batch: Batch, plan, aux, obj: Objective, gold: torch.Tensor | No
         values = owned[batch.owner_rows()]
     inputs = batch.advantage_inputs(values, gold)
     advantages = ADVANTAGES[obj.advantage](inputs, **obj.advantage_args)
+    if obj.imitation_coef > 0:
+        bonus = imitation_bonus(inputs.outcome, coef=obj.imitation_coef, min_outcome=obj.imitation_min_outcome)
+        advantages = advantages + bonus[inputs.step_episode]
     if values is None:
         return advantages, None, None
     gae = {k: v for k, v in obj.advantage_args.items() if k in ("gamma", "lam")}

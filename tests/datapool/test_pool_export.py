@@ -77,6 +77,20 @@ def test_export_file_opens_read_only_in_memory(tmp_path):
     assert main.tokens.tolist() == [1, 2, 3, 4, 6, 7, 8]
 
 
+def test_a_database_path_opens_as_that_sqlite_pool(tmp_path, monkeypatch):
+    # `stepline run` prints the pool as a path (run_dir/pool.db); `pool show --db <that path>` must read it
+    src = open_pool(f"sqlite:///{tmp_path}/a.db")
+    fill(src)
+    src.close()
+    monkeypatch.chdir(tmp_path)
+    for path in (str(tmp_path / "a.db"), "a.db"):
+        pool = open_pool(path, read_only=True)
+        assert {s.session_id for s in pool.list_sessions()} == {"a", "b", "c"}
+        with pytest.raises(ReadOnlyPool):
+            pool.add_reward(Reward("a", 1.0))
+        pool.close()
+
+
 def test_import_refuses_bad_files_and_existing_sessions(tmp_path):
     src = open_pool(f"sqlite:///{tmp_path}/a.db")
     fill(src)

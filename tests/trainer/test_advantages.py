@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.algorithms import ADVANTAGES, AdvantageInputs, group_index, group_normalize, leave_one_out
+from trainer.algorithms import ADVANTAGES, AdvantageInputs, group_index, group_normalize, imitation_bonus, leave_one_out
 from trainer.algorithms.advantages import value_targets
 
 torch.set_num_threads(1)
@@ -246,3 +246,9 @@ def test_tree_grpo_without_forks_is_grpo() -> None:
                         step_call=torch.zeros_like(e), episode_parent=torch.full_like(e, -1),
                         episode_branch=torch.zeros_like(e))
     close(ADVANTAGES["tree_grpo"](x), ADVANTAGES["grpo"](x).tolist())
+
+
+def test_imitation_bonus_rewards_only_episodes_that_reached_the_bar() -> None:
+    outcome = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    torch.testing.assert_close(imitation_bonus(outcome, coef=0.3, min_outcome=1.0), torch.tensor([0.3, 0.0, 0.0, 0.3]))
+    torch.testing.assert_close(imitation_bonus(outcome, coef=0.3, min_outcome=0.5), torch.tensor([0.3, 0.0, 0.3, 0.3]))

@@ -277,3 +277,21 @@ def test_fork_links_reach_tree_grpo(tiny_model_dir: Path, tmp_path: Path) -> Non
     cfg, policy = policy_for(tiny_model_dir, tmp_path, advantage="tree_grpo")
     m = update(policy, batch, objective(cfg, 0, False), version=0)
     assert math.isfinite(m["policy_loss"]) and m["adv_max"] > 0
+
+
+def test_self_imitation_trains_groups_that_all_succeeded(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from trainer.loop import group_filter
+
+    (solved,) = toy_groups(1)
+    for ep in solved.episodes:
+        ep.rewards[0].value = 1.0
+    assert group_filter(TrainerConfig(model_dir=tiny_model_dir))(solved) == "no_variance"
+    cfg, policy = policy_for(tiny_model_dir, tmp_path, imitation_coef=0.5, lr=1e-2)
+    assert group_filter(cfg)(solved) is None
+    failed = toy_groups(1)[0]
+    for ep in failed.episodes:
+        ep.rewards[0].value = 0.0
+    assert group_filter(cfg)(failed) == "no_variance"  # nothing to imitate
+    batch = build_batch([solved])
+    logprob = [update(policy, batch, objective(cfg, i, False), version=0)["logprob_mean"] for i in range(4)]
+    assert logprob[-1] > logprob[0] + 0.2, logprob  # the solved episodes' own tokens became more likely

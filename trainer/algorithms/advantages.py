@@ -64,6 +64,16 @@ def group_normalize(outcome: Tensor, group: Tensor, *, scale_by_std: bool = True
     return torch.where(varies[g], centred, torch.zeros_like(centred))
 
 
+def imitation_bonus(outcome: Tensor, *, coef: float, min_outcome: float) -> Tensor:
+    """Self-imitation (SIL, Oh et al. 2018; RAFT, Dong et al. 2023): `coef` for every episode whose outcome
+    reached `min_outcome`, 0 for the others. outcome [E] -> [E], added to each step's advantage on top of the
+    estimator's. A group whose episodes all succeeded has estimator advantage 0 everywhere; with the bonus it
+    still raises the probability of what the policy already does right, which sharpens a policy whose
+    failures come from sampling its own low-probability tail.
+    """
+    return torch.where(outcome >= min_outcome, torch.full_like(outcome, coef), torch.zeros_like(outcome))
+
+
 def leave_one_out(outcome: Tensor, group: Tensor) -> Tensor:
     """RLOO advantage per episode (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics").
 
