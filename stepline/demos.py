@@ -25,8 +25,8 @@ import numpy as np
 from datapool.base import Pool
 from datapool.records import CallRecord, Reward, SessionInfo
 from gateway.frontends import chat, messages
+from gateway.sessions import TokenState
 from gateway.templating import ChatTemplate
-from gateway.tito import TokenState
 from rollout.config import HarnessSpec
 from rollout.demos import expert_episodes
 
