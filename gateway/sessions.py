@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from datapool.records import SessionInfo
+from datapool.records import Purpose, SessionInfo
 from gateway.forks import Replay
 from gateway.templating import ChatTemplate, Message
 
@@ -87,9 +87,10 @@ class SessionStore:
         self._by_key: dict[str, Session] = {}
         self._live: OrderedDict[str, Session] = OrderedDict()  # sessions with token memory, least recent first
 
-    def new(self, task_id: str, harness: str, group_id: str | None, metadata: dict) -> Session:
+    def new(self, task_id: str, harness: str, group_id: str | None, metadata: dict,
+            purpose: Purpose = "train") -> Session:
         info = SessionInfo(session_id="s-" + uuid.uuid4().hex, task_id=task_id, harness=harness,
-                           group_id=group_id, metadata=metadata, created_at=time.time())
+                           group_id=group_id, metadata=metadata, created_at=time.time(), purpose=purpose)
         key = "sk-stepline-" + secrets.token_urlsafe(24)
         return Session(info=info, api_key=key, tokens=TokenState(self.template, self.strict_template),
                        texts=TextMemory(self.template))
