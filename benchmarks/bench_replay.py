@@ -39,7 +39,7 @@ def rewarded_actions(pool_db: Path) -> list[tuple[float, list[int], list[int]]]:
     out = []
     try:
         for info in pool.list_sessions():
-            if info.metadata.get("eval"):
+            if info.purpose == "eval":
                 continue
             reward = pool.get_episode(info.session_id).outcome
             if reward <= 0:

@@ -33,6 +33,7 @@ from datapool import wire
 from datapool.base import InvalidRecord, PoolError
 from datapool.sql import SESSION_COLUMNS, TERMINAL, SqlPool, _floats, _ids, _session
 from datapool.tree import StoredCall, replay
+from datapool.validation import check_session
 
 FORMAT = "stepline-pool"
 VERSION = 1
@@ -136,12 +137,14 @@ def import_pool(path: str | Path, pool: SqlPool) -> dict[str, int]:
 
 def _insert_session(pool: SqlPool, cur: Any, rec: dict) -> tuple[int, str]:
     info = wire.decode_session(rec["info"])
+    check_session(info)
     if pool._x(cur, "SELECT 1 FROM sessions WHERE session_id = ?", (info.session_id,)).fetchone():
         raise InvalidRecord(f"session {info.session_id!r} already exists in the target pool")
     row = pool._x(cur, "INSERT INTO sessions (session_id, task_id, harness, group_id, group_key, metadata, status,"
-                  " created_at, ended_at, claim) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING sid",
+                  " created_at, ended_at, claim, purpose) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING sid",
                   (info.session_id, info.task_id, info.harness, info.group_id, info.group_key,
-                   msgpack.packb(info.metadata), info.status, info.created_at, info.ended_at, rec["claim"])).fetchone()
+                   msgpack.packb(info.metadata), info.status, info.created_at, info.ended_at, rec["claim"],
+                   info.purpose)).fetchone()
     return int(row[0]), info.session_id
 
 

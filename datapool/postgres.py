@@ -43,8 +43,7 @@ class PostgresPool(SqlPool):
             raise PoolError(f"cannot open PostgreSQL pool: {exc}") from exc
         super().__init__(conn, read_only)
         self._lock = threading.RLock()
-        if not read_only:
-            self._create_schema()
+        self._open_schema()
 
     @contextmanager
     def _transaction(self, write: bool) -> Iterator[Any]:

@@ -11,11 +11,15 @@ on the wire and on disk.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 SessionStatus = Literal["open", "completed", "failed", "aborted", "abandoned"]
+# What a session is for: "train" (RL episodes, the default), "eval" (`stepline eval`: never trained on),
+# "demo" (expert demonstrations for SFT). docs/architecture.md §3.
+Purpose = Literal["train", "eval", "demo"]
+PURPOSES: tuple[Purpose, ...] = get_args(Purpose)
 NodeKind = Literal["obs", "act"]
 LeafRule = Literal["all", "drop_superseded", "main"]
 
@@ -45,6 +49,7 @@ class SessionInfo:
     status: SessionStatus = "open"
     created_at: float = 0.0  # unix seconds
     ended_at: float | None = None
+    purpose: Purpose = "train"
 
     @property
     def group_key(self) -> str:
@@ -55,6 +60,12 @@ class SessionInfo:
         """The session and call this one was forked from (`metadata["fork_of"]`), None for a root episode."""
         link = self.metadata.get(FORK_KEY)
         return None if link is None else ForkPoint(link["session"], int(link["call"]))
+
+
+def legacy_purpose(metadata: dict[str, Any]) -> Purpose:
+    """The purpose of a session recorded before `SessionInfo.purpose` (pool schema 1, older exports): the
+    evaluator marked its sessions `{"eval": true}` and the demonstrations `{"demo": true}`."""
+    return "eval" if metadata.get("eval") else "demo" if metadata.get("demo") else "train"
 
 
 @dataclass

@@ -38,12 +38,13 @@ from datapool.records import (
     Reward,
     SessionInfo,
     SessionTree,
+    legacy_purpose,
 )
 from datapool.steps import LEAF_RULES, build_episode
 from datapool.tree import RadixTree, StoredCall, full_prompt, replay
 from datapool.validation import check_call, check_end_status, check_reward, check_session
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: sessions.purpose (schema 1 pools are migrated when opened writable)
 TERMINAL = -1  # rewards.step of a terminal reward (NULL would defeat the unique key)
 CLAIM_LOCK = 7_301_001  # PostgreSQL advisory lock id serialising claims
 
@@ -56,7 +57,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     n_calls INTEGER NOT NULL DEFAULT 0,  -- calls stored so far (next calls.ord)
     min_version INTEGER,                 -- oldest weight version among its calls (NULL: no calls)
     has_terminal INTEGER NOT NULL DEFAULT 0,
-    claim TEXT                           -- groups.group_id once handed out (or marked stale)
+    claim TEXT,                          -- groups.group_id once handed out (or marked stale)
+    purpose TEXT NOT NULL DEFAULT 'train'  -- SessionInfo.purpose: train | eval | demo
 );
 CREATE INDEX IF NOT EXISTS sessions_unclaimed ON sessions (claim, group_key);
 CREATE TABLE IF NOT EXISTS calls (
@@ -81,7 +83,7 @@ CREATE TABLE IF NOT EXISTS groups (
 );
 """
 
-SESSION_COLUMNS = "sid, session_id, task_id, harness, group_id, metadata, status, created_at, ended_at"
+SESSION_COLUMNS = "sid, session_id, task_id, harness, group_id, metadata, status, created_at, ended_at, purpose"
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,19 @@ class SqlPool:
         cur.execute(self.dialect.sql(query), params)
         return cur
 
+    def _open_schema(self) -> None:
+        """Create (or migrate) the schema; read-only, only check that this build reads it."""
+        if not self.read_only:
+            return self._create_schema()
+        with self._transaction(write=False) as cur:
+            if cur.execute(self.dialect.has_meta).fetchone() is None:
+                return
+            row = self._x(cur, "SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        if row is not None and int(row[0]) == 1:
+            raise PoolError("pool schema version 1 (sessions without a purpose): open it writable once to migrate it")
+        if row is not None and int(row[0]) != SCHEMA_VERSION:
+            raise PoolError(f"pool schema version {row[0]} is not supported (this build reads {SCHEMA_VERSION})")
+
     def _create_schema(self) -> None:
         d = self.dialect
         with self._transaction(write=False) as cur:
@@ -160,8 +175,21 @@ class SqlPool:
             row = self._x(cur, "SELECT value FROM meta WHERE key = 'schema'").fetchone()
             if row is None:
                 self._x(cur, "INSERT INTO meta (key, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) == 1:
+                self._migrate_purpose(cur)
             elif int(row[0]) != SCHEMA_VERSION:
                 raise PoolError(f"pool schema version {row[0]} is not supported (this build reads {SCHEMA_VERSION})")
+
+    def _migrate_purpose(self, cur: Any) -> None:
+        """Schema 1 → 2: add sessions.purpose, read from the metadata keys that marked it before."""
+        self._lock_claims(cur)
+        cur.execute("ALTER TABLE sessions ADD COLUMN purpose TEXT NOT NULL DEFAULT 'train'")
+        rows = self._x(cur, "SELECT sid, metadata FROM sessions").fetchall()
+        for sid, metadata in rows:
+            purpose = legacy_purpose(msgpack.unpackb(bytes(metadata)))
+            if purpose != "train":
+                self._x(cur, "UPDATE sessions SET purpose = ? WHERE sid = ?", (purpose, sid))
+        self._x(cur, "UPDATE meta SET value = ? WHERE key = 'schema'", (str(SCHEMA_VERSION),))
 
     def _writable(self, claims: bool = False) -> None:
         if self.read_only and not (claims and self.claims_in_memory):
@@ -189,10 +217,10 @@ class SqlPool:
         with self._transaction(write=True) as cur:
             # ON CONFLICT: two writers creating one session at once both succeed (PostgreSQL)
             self._x(cur, "INSERT INTO sessions (session_id, task_id, harness, group_id, group_key, metadata,"
-                    " status, created_at, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " status, created_at, ended_at, purpose) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                     " ON CONFLICT (session_id) DO NOTHING",
                     (info.session_id, info.task_id, info.harness, info.group_id, info.group_key,
-                     msgpack.packb(info.metadata), info.status, created, info.ended_at))
+                     msgpack.packb(info.metadata), info.status, created, info.ended_at, info.purpose))
             row = self._x(cur, "SELECT task_id, harness, group_id FROM sessions WHERE session_id = ?",
                           (info.session_id,)).fetchone()
             if tuple(row) != (info.task_id, info.harness, info.group_id):
@@ -494,6 +522,6 @@ ORDER BY MIN(sid)
 
 
 def _session(row: Sequence[Any]) -> SessionInfo:
-    _, session_id, task, harness, group, metadata, status, created, ended = row
+    _, session_id, task, harness, group, metadata, status, created, ended, purpose = row
     return SessionInfo(session_id, task, harness, group, msgpack.unpackb(bytes(metadata)), status,
-                       float(created), None if ended is None else float(ended))
+                       float(created), None if ended is None else float(ended), purpose)

@@ -41,8 +41,7 @@ class SqlitePool(SqlPool):
             raise PoolError(f"cannot open SQLite pool {path!r}: {exc}") from exc
         super().__init__(conn, read_only)
         self._lock = threading.RLock()  # one connection, possibly shared by a service's threads
-        if not read_only:
-            self._create_schema()
+        self._open_schema()
 
     @contextmanager
     def _transaction(self, write: bool) -> Iterator[Any]:

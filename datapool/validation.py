@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from datapool.base import InvalidRecord
-from datapool.records import FORK_KEY, CallRecord, Reward, SessionInfo
+from datapool.records import FORK_KEY, PURPOSES, CallRecord, Reward, SessionInfo
 
 INT32_MAX = 2**31 - 1
 SESSION_STATUSES = ("open", "completed", "failed", "aborted", "abandoned")
@@ -60,6 +60,8 @@ def check_session(info: SessionInfo) -> None:
             raise InvalidRecord(f"session {info.session_id!r}: {name} must be a non-empty string")
     if info.status not in SESSION_STATUSES:
         raise InvalidRecord(f"session {info.session_id!r}: status must be one of {SESSION_STATUSES}")
+    if info.purpose not in PURPOSES:
+        raise InvalidRecord(f"session {info.session_id!r}: purpose must be one of {PURPOSES}, got {info.purpose!r}")
     link = info.metadata.get(FORK_KEY) if isinstance(info.metadata, dict) else None
     if link is not None and not (
         isinstance(link, dict) and set(link) == {"session", "call"} and isinstance(link["session"], str)

@@ -23,6 +23,7 @@ from datapool.records import (
     SessionTree,
     Step,
     Trajectory,
+    legacy_purpose,
 )
 
 _EXT_DTYPES: dict[int, np.dtype] = {1: np.dtype("<i4"), 2: np.dtype("<f4"), 3: np.dtype("i1"), 4: np.dtype("<i8"), 5: np.dtype("<f8")}
@@ -74,6 +75,8 @@ def unpacker(stream: Any) -> msgpack.Unpacker:
 # --- typed decoders (each takes what `to_wire` + `unpackb` produced) ---
 
 def decode_session(d: dict) -> SessionInfo:
+    if "purpose" not in d:  # written before SessionInfo.purpose (an older export or client)
+        d = {**d, "purpose": legacy_purpose(d.get("metadata") or {})}
     return SessionInfo(**d)
 
 

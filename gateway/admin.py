@@ -13,7 +13,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.engines import EngineError
-from gateway.weights import UpdateRefused, WeightGate
+from gateway.fleet import UpdateRefused, WeightGate
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -22,17 +22,15 @@ from aiohttp import web
 from gateway import reaper
 from gateway.admin import admin_routes
 from gateway.config import GatewaySettings
-from gateway.engines import EngineRouter
+from gateway.fleet import EngineRouter, WeightGate
 from gateway.frontends import chat, completions, messages, responses
 from gateway.frontends.errors import Flavour
 from gateway.frontends.pipeline import Core, Handler, error_boundary, model_route
 from gateway.frontends.session_routes import SessionRoutes
-from gateway.metrics import metrics_routes
 from gateway.profile import detect
-from gateway.recorder import Recorder
+from gateway.recorder import Recorder, metrics_routes
 from gateway.templating import load_template
 from gateway.tool_prompt import injector
-from gateway.weights import WeightGate
 
 log = logging.getLogger(__name__)
 

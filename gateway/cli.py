@@ -26,12 +26,12 @@ from aiohttp import web
 
 from datapool.base import Pool
 from gateway.config import GatewaySettings
-from gateway.engines import ENGINE_KINDS, EngineRouter, make_engine
+from gateway.engines import ENGINE_KINDS, make_engine
 from gateway.engines.probe import EngineMismatch, check_engines
+from gateway.fleet import EngineRouter, WeightGate
 from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
 from gateway.recorder import Recorder
 from gateway.spill import Spill
-from gateway.weights import WeightGate
 
 __all__ = ["Gateway", "gateway_command", "running_gateway"]
 

@@ -1,4 +1,14 @@
-"""The recorder: hands records to the pool in FIFO order, batched, from one worker thread.
+"""What the gateway records of its calls: the records it hands to the pool, and its Prometheus metrics.
+
+## Metrics
+
+Prometheus metrics of the gateway (default registry) and the `GET /metrics` route. The pipeline calls
+`observe_call` once per finished model call and `observe_error` per error answer; the recorder below and
+the weight gate (gateway/fleet.py) keep their own gauges up to date.
+
+## The recorder
+
+It hands records to the pool in FIFO order, batched, from one worker thread.
 
 Calls are queued without blocking (the answer to the harness never waits on the pool); session
 creation, rewards and ends go through the same queue, so they are ordered after every call queued
@@ -36,18 +46,81 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zstandard
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 from typing_extensions import TypedDict, Unpack
 
 from datapool.base import Pool, PoolError, is_unavailable
 from datapool.records import CallRecord, Reward, SessionInfo
-from gateway import metrics
 from gateway.spill import Spill
+
+if TYPE_CHECKING:
+    from gateway.fleet import EngineRouter
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+
+# --- metrics ---
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+CALLS = Counter("stepline_gateway_calls", "Model calls served", ["api", "finish_reason"])
+ERRORS = Counter("stepline_gateway_errors", "Requests answered with an error", ["api", "status"])
+LATENCY = Histogram(
+    "stepline_gateway_call_seconds", "Call latency, received to answered", ["api", "stream"], buckets=_LATENCY_BUCKETS
+)
+FIRST_TOKEN = Histogram(
+    "stepline_gateway_first_token_seconds", "Time to the first streamed token", ["api"], buckets=_LATENCY_BUCKETS
+)
+TOKENS = Counter("stepline_gateway_tokens", "Tokens through the gateway", ["kind"])  # prompt | completion
+IN_FLIGHT = Gauge("stepline_gateway_in_flight", "Model calls being served now")
+WEIGHT_VERSION = Gauge("stepline_gateway_weight_version", "Weight version new calls are stamped with")
+WEIGHT_UPDATES = Counter("stepline_gateway_weight_updates", "Weight updates", ["result"])  # ok | failed
+QUEUE_DEPTH = Gauge("stepline_gateway_record_queue_depth", "Records waiting for the pool")
+RECORDS_WRITTEN = Counter("stepline_gateway_records_written", "Call records committed to the pool")
+RECORDS_DROPPED = Counter("stepline_gateway_records_dropped", "Call records the pool refused as invalid (logged)")
+POOL_ERRORS = Counter("stepline_gateway_pool_errors", "Failed pool writes (retried)")
+ENGINE_UP = Gauge("stepline_gateway_engine_up", "1 when the engine passes its health check", ["engine"])
+
+
+class CallSizes(TypedDict, total=False):
+    """What one call moved: its prompt and completion tokens, and (streamed) the time to its first token."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    first_token_seconds: float | None
+
+
+def observe_call(api: str, stream: bool, finish_reason: str, seconds: float, **sizes: Unpack[CallSizes]) -> None:
+    """Count one finished model call."""
+    CALLS.labels(api, finish_reason).inc()
+    LATENCY.labels(api, "true" if stream else "false").observe(seconds)
+    TOKENS.labels("prompt").inc(sizes.get("prompt_tokens", 0))
+    TOKENS.labels("completion").inc(sizes.get("completion_tokens", 0))
+    if (first := sizes.get("first_token_seconds")) is not None:
+        FIRST_TOKEN.labels(api).observe(first)
+
+
+def observe_error(api: str, status: int) -> None:
+    ERRORS.labels(api, str(status)).inc()
+
+
+def metrics_routes(router: EngineRouter | None = None) -> list[web.RouteDef]:
+    """`GET /metrics` in the Prometheus text format (engine health refreshed at scrape time)."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        if router is not None:
+            for url, ok in router.healthy.items():
+                ENGINE_UP.labels(url).set(1 if ok else 0)
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return [web.get("/metrics", metrics)]
+
+
+# --- the recorder ---
 
 
 @dataclass
@@ -103,7 +176,7 @@ class Recorder:
     async def start(self) -> None:
         if self._thread is not None:  # already running (start may be called by the app and its runner)
             return
-        metrics.QUEUE_DEPTH.set_function(self.depth)
+        QUEUE_DEPTH.set_function(self.depth)
         if self.spill is not None:  # an earlier run's spilled calls go first, before anything new
             for record in self.spill.load():
                 self._pending.append(_Item("call", record, spilled=True))
@@ -192,7 +265,7 @@ class Recorder:
                     self._fail(exc)
                     return
                 self.pool_errors += 1  # the pool is down: keep the batch, back off, retry
-                metrics.POOL_ERRORS.inc()
+                POOL_ERRORS.inc()
                 backoff = min(self.max_backoff, max(0.05, backoff * 2))
                 log.warning("pool write failed (%r); %d records queued, retry in %.2f s", exc, self.depth(), backoff)
                 self._spill_pending()
@@ -358,12 +431,12 @@ class Recorder:
     def _refuse(self, record: CallRecord) -> None:
         self._pop(1)
         self.dropped += 1
-        metrics.RECORDS_DROPPED.inc()
+        RECORDS_DROPPED.inc()
         log.error("pool refused call %s/%d as invalid; not recorded", record.session_id, record.call_index)
 
     def _count_written(self, n: int) -> None:
         self.written += n
-        metrics.RECORDS_WRITTEN.inc(n)
+        RECORDS_WRITTEN.inc(n)
 
     def _fail(self, exc: Exception) -> None:
         self.failure = exc

@@ -1,22 +1,55 @@
-"""Sessions the gateway serves: ids, per-session API keys, call counters and token memory.
+"""Sessions the gateway serves: ids, per-session API keys, call counters, and their token memory.
 
 A call is attributed to a session by its URL (`/s/<id>/v1/...`), by its session key (Bearer or
 x-api-key) on `/v1/...`, or by an `X-Session-Id` header. A session key acts on its own session only.
+
+## Token memory: token in, token out
+
+The prompt ids of each call reuse the exact ids of the session's earlier calls (`TokenState`; `TextMemory` for
+the Completions API's raw-text prompts).
+
+A harness resends its whole history on every call. Rebuilding that history from text would change the
+tokens the model actually produced (retokenization drift, templates that drop earlier reasoning), so
+the trainer would train on tokens the policy never sampled. Instead, for each call:
+
+1. Its messages are hashed as a chain: h_0 from the tools, h_i = hash(h_{i-1}, fingerprint(message_i)).
+2. An exact retry (h_n seen as an earlier call's messages) reuses that call's prompt ids.
+3. Otherwise the longest prefix m_1..m_k whose hash is an earlier call's messages + its answer reuses
+   that call's prompt ids + output ids (ending with the end-of-turn token), and only m_{k+1}..m_n are
+   rendered (`ChatTemplate.continuation`) and tokenized. The cost follows the new messages.
+4. With no reusable prefix the whole conversation is rendered and tokenized.
+
+An assistant message's fingerprint keeps what the harness is expected to echo (text and tool calls,
+arguments compared as JSON) and ignores reasoning and ids, so the model's own earlier tokens — its
+reasoning included — stay the context even when the harness drops them (the default).
+
+`strict=True` follows the template instead: every call renders the whole conversation, and reuses an
+earlier call's ids only where the rendered text begins with that call's prompt and output text. Where
+the template rewrites history (Qwen3 drops reasoning of earlier turns), the tokens differ from the
+model's own and the session's tree forks there. Its cost follows the context length.
+
+When a call is not append-only (compaction, an edited message, a retry) the ids it shares with an
+earlier call are exactly the reused ones plus whatever the template renders identically, so recorded
+calls diverge at the first differing token.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
-from datapool.records import SessionInfo
+import numpy as np
+import orjson
+
+from datapool.records import Purpose, SessionInfo
 from gateway.forks import Replay
-from gateway.templating import ChatTemplate
-from gateway.tito import TextMemory, TokenState
+from gateway.templating import ChatTemplate, Message
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +87,10 @@ class SessionStore:
         self._by_key: dict[str, Session] = {}
         self._live: OrderedDict[str, Session] = OrderedDict()  # sessions with token memory, least recent first
 
-    def new(self, task_id: str, harness: str, group_id: str | None, metadata: dict) -> Session:
+    def new(self, task_id: str, harness: str, group_id: str | None, metadata: dict,
+            purpose: Purpose = "train") -> Session:
         info = SessionInfo(session_id="s-" + uuid.uuid4().hex, task_id=task_id, harness=harness,
-                           group_id=group_id, metadata=metadata, created_at=time.time())
+                           group_id=group_id, metadata=metadata, created_at=time.time(), purpose=purpose)
         key = "sk-stepline-" + secrets.token_urlsafe(24)
         return Session(info=info, api_key=key, tokens=TokenState(self.template, self.strict_template),
                        texts=TextMemory(self.template))
@@ -101,3 +135,179 @@ class SessionStore:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+# --- token memory ---
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Token ids as a chain of segments: each turn keeps only its new ids and points to the turn it
+    extends, so a session's token memory grows with its tokens, not with turns × context."""
+
+    parent: Segments | None
+    tail: np.ndarray  # int32: the ids this segment adds
+    length: int  # ids from the root through this segment
+
+    def extend(self, ids: np.ndarray) -> Segments:
+        return Segments(self, ids, self.length + len(ids))
+
+    def array(self) -> np.ndarray:
+        parts = []
+        node: Segments | None = self
+        while node is not None:
+            parts.append(node.tail)
+            node = node.parent
+        return parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
+
+
+def _root(ids: np.ndarray) -> Segments:
+    return Segments(None, ids, len(ids))
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: np.ndarray  # int32 [P]: the prompt the engine receives
+    reused: int  # leading ids taken from an earlier call of the session (0: rendered from scratch)
+    key: int  # hash of the tools + messages: with the answer's fingerprint, the key of the next turn
+    text: str = ""  # the rendered prompt (strict mode only)
+    node: Segments | None = None  # the prompt in the session's segment chain (default mode)
+
+
+def _arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def fingerprint(message: Message) -> bytes:
+    """What of a message decides its tokens, as bytes; assistant reasoning and tool-call ids excluded."""
+    role = message.get("role")
+    content = message.get("content") or ""
+    if role == "assistant":
+        text = content.split("</think>")[-1].strip() if isinstance(content, str) else content
+        calls = [(c["function"]["name"], _arguments(c["function"].get("arguments")))
+                 for c in message.get("tool_calls") or []]
+        key: Any = ("assistant", text, calls)
+    else:
+        key = (role, content, message.get("name"), message.get("tool_call_id"))
+    return orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
+
+
+def chain(tools: list[dict] | None, messages: list[Message], known: tuple[list, list[int]] | None = None,
+          options: dict[str, Any] | None = None) -> list[int]:
+    """h_0..h_n: hashes of the tools (and template options) and each prefix of the messages. `known` =
+    (messages, hashes) of an earlier call: the prefix equal to it (compared as dicts, in C) is not
+    fingerprinted again."""
+    head = hash(orjson.dumps([tools or [], options or {}], option=orjson.OPT_SORT_KEYS))
+    hashes, start = [head], 0
+    if known is not None and known[1] and known[1][0] == head:
+        earlier, earlier_hashes = known
+        limit = min(len(earlier), len(messages))
+        while start < limit and messages[start] == earlier[start]:
+            start += 1
+        hashes = earlier_hashes[: start + 1]
+    for message in messages[start:]:
+        hashes.append(hash((hashes[-1], fingerprint(message))))
+    return hashes
+
+
+class TokenState:
+    """One session's token memory: which ids each earlier call's messages (and answers) became."""
+
+    def __init__(self, template: ChatTemplate, strict: bool = False, max_entries: int = 256) -> None:
+        self.template = template
+        self.strict = strict
+        self.max_entries = max_entries
+        self._prompts: OrderedDict[int, Segments] = OrderedDict()  # h(messages) -> prompt ids
+        self._turns: OrderedDict[int, Segments] = OrderedDict()  # h(messages + answer) -> ids through the answer
+        self._texts: OrderedDict[str, np.ndarray] = OrderedDict()  # strict: rendered text -> its ids
+        self._last: tuple[list, list[int]] | None = None  # the last call's messages and hash chain
+
+    def prompt_for(self, messages: list[Message], tools: list[dict] | None,
+                   options: dict[str, Any] | None = None) -> Prompt:
+        """`options`: extra template variables (chat_template_kwargs); part of the key of every turn."""
+        if self.strict:
+            return self._strict_prompt(messages, tools, options)
+        hashes = chain(tools, messages, self._last, options)
+        self._last = (list(messages), hashes)  # turn N+1 fingerprints only what follows these
+        if (node := self._prompts.get(hashes[-1])) is not None:
+            return Prompt(node.array(), node.length, hashes[-1], node=node)
+        for k in range(len(messages), 0, -1):
+            if messages[k - 1].get("role") == "assistant" and (base := self._turns.get(hashes[k])) is not None:
+                new = self.template.encode(self.template.continuation(messages[k:], tools, options))
+                node = base.extend(np.asarray(new, dtype=np.int32))
+                return Prompt(node.array(), base.length, hashes[-1], node=node)
+        text = self.template.render(messages, tools, add_generation_prompt=True, options=options)
+        node = _root(np.asarray(self.template.encode(text), dtype=np.int32))
+        return Prompt(node.tail, 0, hashes[-1], node=node)
+
+    def remember(self, prompt: Prompt, answer: Message, output_ids: np.ndarray) -> None:
+        """Store a finished call. A turn the model did not close (length, stop string) gets the
+        end-of-turn token appended, as the template would write it (an observation token)."""
+        tail = np.asarray(output_ids, dtype=np.int32)
+        if len(tail) == 0 or int(tail[-1]) not in self.template.stop_token_ids:
+            tail = np.concatenate([tail, np.asarray([self.template.eos_id], dtype=np.int32)])
+        if self.strict or prompt.node is None:
+            text = prompt.text + self.template.decode(tail.tolist())
+            _put(self._texts, text, np.concatenate([prompt.ids, tail]), self.max_entries)
+            return
+        _put(self._prompts, prompt.key, prompt.node, self.max_entries)
+        _put(self._turns, hash((prompt.key, fingerprint(answer))), prompt.node.extend(tail), self.max_entries)
+
+    def _strict_prompt(self, messages: list[Message], tools: list[dict] | None, options: dict[str, Any] | None) -> Prompt:
+        text = self.template.render(messages, tools, add_generation_prompt=True, options=options)
+        if (ids := self._texts.get(text)) is not None:
+            return Prompt(ids, len(ids), 0, text)
+        best, base = "", _EMPTY
+        for earlier, earlier_ids in reversed(self._texts.items()):
+            if len(earlier) > len(best) and text.startswith(earlier) and earlier.endswith(self.template.eos_token):
+                best, base = earlier, earlier_ids
+        new = np.asarray(self.template.encode(text[len(best):]), dtype=np.int32)
+        prompt = Prompt(np.concatenate([base, new]), len(base), 0, text)
+        _put(self._texts, text, prompt.ids, self.max_entries)  # an exact retry reuses these ids
+        return prompt
+
+
+
+class TextMemory:
+    """Token memory for raw-text prompts (the Completions API): a prompt that begins with an earlier
+    call's prompt text + answer text reuses that call's ids and tokenizes only the rest."""
+
+    def __init__(self, template: ChatTemplate, max_entries: int = 64) -> None:
+        self.template = template
+        self.max_entries = max_entries
+        self._paths: OrderedDict[str, np.ndarray] = OrderedDict()  # prompt + answer text -> ids
+        self._exact: OrderedDict[str, np.ndarray] = OrderedDict()  # prompt text -> ids (exact retries only)
+
+    def prompt_for(self, text: str) -> Prompt:
+        if (ids := self._exact.get(text)) is not None:
+            return Prompt(ids, len(ids), 0, text)
+        best, base = "", _EMPTY
+        for earlier, ids in reversed(self._paths.items()):
+            if len(earlier) > len(best) and text.startswith(earlier):
+                best, base = earlier, ids
+        new = np.asarray(self.template.encode(text[len(best):]), dtype=np.int32) if text != best else _EMPTY
+        return Prompt(np.concatenate([base, new]), len(base), 0, text)
+
+    def remember(self, prompt: Prompt, output_ids: np.ndarray, output_text: str) -> None:
+        """Keep prompt + output when the output's ids decode to exactly its text (a stop token the
+        text leaves out is dropped first); otherwise keep the prompt alone."""
+        ids = output_ids
+        if len(ids) and int(ids[-1]) in self.template.stop_token_ids:
+            ids = ids[:-1]
+        if self.template.decode(ids.tolist()) == output_text:
+            _put(self._paths, prompt.text + output_text, np.concatenate([prompt.ids, ids]), self.max_entries)
+        _put(self._exact, prompt.text, prompt.ids, self.max_entries)
+
+
+def _put(table: OrderedDict, key: Any, ids: Any, limit: int) -> None:
+    table[key] = ids
+    table.move_to_end(key)
+    while len(table) > limit:
+        table.popitem(last=False)

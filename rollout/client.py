@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from datapool.records import Purpose
 from httpretry import RetryPolicy, Unavailable, transport_error
 
 __all__ = ["GatewayClient", "GatewayError", "SessionHandle"]
@@ -56,8 +57,9 @@ class GatewayClient:
     async def __aexit__(self, *exc: object) -> None:
         await self._http.aclose()
 
-    async def open_session(self, task_id: str, harness: str, group_id: str | None, metadata: dict[str, Any]) -> SessionHandle:
-        body = {"task_id": task_id, "harness": harness, "group_id": group_id, "metadata": metadata}
+    async def open_session(self, task_id: str, harness: str, group_id: str | None, metadata: dict[str, Any],
+                           purpose: Purpose = "train") -> SessionHandle:
+        body = {"task_id": task_id, "harness": harness, "group_id": group_id, "metadata": metadata, "purpose": purpose}
         return _handle("/sessions", await self._post("/sessions", body))
 
     async def fork_session(self, session_id: str, call: int, metadata: dict[str, Any] | None = None) -> SessionHandle:

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from datapool.records import REFERENCE_KEY
+from datapool.records import REFERENCE_KEY, Purpose
 from rollout import trees
 from rollout import worker as rollout_worker
 from rollout.client import GatewayClient, GatewayError, SessionHandle
@@ -153,8 +153,10 @@ def verdict_of(data: Any) -> tuple[float, bool, str]:
 class RolloutDriver:
     """Runs groups of episodes of the configured harnesses through one gateway."""
 
-    def __init__(self, config: RolloutConfig, gateway: GatewayClient, work_dir: Path, python: str = sys.executable):
+    def __init__(self, config: RolloutConfig, gateway: GatewayClient, work_dir: Path, python: str = sys.executable,
+                 purpose: Purpose = "train"):
         self.config = config
+        self.purpose = purpose  # of every session it opens (SessionInfo.purpose): the evaluator's driver says "eval"
         self.gateway = gateway
         self.work_dir = Path(work_dir)
         self.python = python
@@ -194,7 +196,8 @@ class RolloutDriver:
         return result
 
     async def _attempt(self, spec: HarnessSpec, task_id: str, group_id: str | None, metadata: dict[str, Any]) -> EpisodeResult:
-        result, _ = await self.played(spec, task_id, lambda: self.gateway.open_session(task_id, spec.name, group_id, metadata))
+        result, _ = await self.played(spec, task_id, lambda: self.gateway.open_session(task_id, spec.name, group_id, metadata,
+                                                                                       self.purpose))
         return result
 
     async def played(self, spec: HarnessSpec, task_id: str, open_session: Callable[[], Awaitable[SessionHandle]],

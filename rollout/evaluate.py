@@ -2,10 +2,9 @@
 
     stepline eval JOB.toml --gateway http://127.0.0.1:8000 [--admin-token T] [--out eval.json] [--limit N]
 
-Each test task runs once (greedy or not is the engine's business) in a session tagged
-metadata {"eval": true, "split": "test"} and an explicit group id "eval::<task>::<harness>::…",
-so a trainer can leave these sessions out (`EpisodeData.info.metadata.get("eval")`). Prints success
-per harness and writes the report as JSON.
+Each test task runs once (greedy or not is the engine's business) in a session of purpose "eval"
+(`SessionInfo.purpose`) with metadata {"split": "test"} and an explicit group id "eval::<task>::<harness>::…",
+so a trainer leaves these sessions out. Prints success per harness and writes the report as JSON.
 """
 
 from __future__ import annotations
@@ -24,9 +23,7 @@ from rollout.client import GatewayClient
 from rollout.config import RolloutConfig, list_tasks, load_rollout_config
 from rollout.driver import RolloutDriver, format_stats, results_json
 
-__all__ = ["EVAL_METADATA", "eval_command", "evaluate", "spread"]
-
-EVAL_METADATA = {"eval": True}
+__all__ = ["eval_command", "evaluate", "spread"]
 
 
 async def evaluate(config: RolloutConfig, gateway_url: str, admin_token: str | None = None, split: str = "test",
@@ -36,9 +33,9 @@ async def evaluate(config: RolloutConfig, gateway_url: str, admin_token: str | N
     tasks = await asyncio.to_thread(lambda: {h.name: spread(list_tasks(h, split), limit) for h in config.harnesses})
     with tempfile.TemporaryDirectory(prefix="stepline-eval-", dir=config.work_dir) as work:
         async with (GatewayClient(gateway_url, admin_token) as gateway,
-                    RolloutDriver(config.model_copy(update={"retries": 0}), gateway, Path(work)) as driver):
+                    RolloutDriver(config.model_copy(update={"retries": 0}), gateway, Path(work), purpose="eval") as driver):
             await asyncio.gather(*(
-                driver.run_group(spec, task_id, group_size=1, metadata={**EVAL_METADATA, "split": split}, prefix="eval::")
+                driver.run_group(spec, task_id, group_size=1, metadata={"split": split}, prefix="eval::")
                 for spec in config.harnesses for task_id in tasks[spec.name]
             ))
     return {"split": split, "weight_version": await _weight_version(gateway_url),

@@ -25,8 +25,8 @@ import numpy as np
 from datapool.base import Pool
 from datapool.records import CallRecord, Reward, SessionInfo
 from gateway.frontends import chat, messages
+from gateway.sessions import TokenState
 from gateway.templating import ChatTemplate
-from gateway.tito import TokenState
 from rollout.config import HarnessSpec
 from rollout.demos import expert_episodes
 
@@ -87,7 +87,7 @@ def collect_demos(pool: Pool, model_dir: Path, specs: list[HarnessSpec], per_har
         episode, reward = result
         session_id = f"demo-{spec.name}-{task_id}-{uuid.uuid4().hex[:8]}"
         pool.create_session(SessionInfo(session_id=session_id, task_id=task_id, harness=spec.name,
-                                        group_id=session_id, metadata={"demo": True}, created_at=time.time()))
+                                        group_id=session_id, created_at=time.time(), purpose="demo"))
         pool.add_calls(demo_calls(template, episode, session_id))
         pool.add_reward(Reward(session_id=session_id, value=reward, created_at=time.time()))
         pool.end_session(session_id, "completed")

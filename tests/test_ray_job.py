@@ -86,7 +86,7 @@ def test_job_on_two_node_ray_cluster(tmp_path: Path, pg_schema_url: str) -> None
     try:
         stats = pool.stats()
         assert stats["groups_consumed"] >= 2 * 2 and stats["groups_claimed"] == 0
-        sessions = [s for s in pool.list_sessions() if not s.metadata.get("eval")]
+        sessions = [s for s in pool.list_sessions() if s.purpose != "eval"]
         # versions follow the pushes: training calls were served by versions 0..2, and nothing newer
         versions = {n.weight_version for s in sessions for n in pool.get_tree(s.session_id).nodes if n.kind == "act"}
         assert 0 in versions and versions <= {0, 1, 2}

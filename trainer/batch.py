@@ -190,7 +190,7 @@ def group_filter(cfg: TrainerConfig):
     unless self-imitation is on and every episode of it succeeded."""
 
     def reason(group: Group) -> str | None:
-        if any(ep.info.metadata.get("eval") for ep in group.episodes):  # stepline eval marks its sessions
+        if any(ep.info.purpose == "eval" for ep in group.episodes):  # stepline eval's sessions
             return "eval"
         outcomes = [e.outcome for e in group.episodes]
         if cfg.mode == "rl" and cfg.dynamic_sampling and not has_reward_variance(outcomes):

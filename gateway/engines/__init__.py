@@ -1,4 +1,5 @@
-"""Engine adapters (SGLang / built-in `/generate`, vLLM `/v1/completions`) and the router.
+"""Engine adapters (SGLang / built-in `/generate`, vLLM `/v1/completions`); the router over them is in
+`gateway.fleet`.
 
 Exception tree: see `gateway.engines.base`.
 """
@@ -20,7 +21,6 @@ from gateway.engines.base import (
     SamplingParams,
     StreamDelta,
 )
-from gateway.engines.router import EngineRouter
 from gateway.engines.sglang import SGLangEngine
 from gateway.engines.vllm import VLLMEngine
 
@@ -45,7 +45,6 @@ __all__ = [
     "EngineError",
     "EngineInfo",
     "EngineRejected",
-    "EngineRouter",
     "EngineTimeout",
     "EngineUnavailable",
     "Generation",

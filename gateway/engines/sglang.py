@@ -20,8 +20,15 @@ from typing import Any
 
 import aiohttp
 
-from gateway.engines._http import Transport
-from gateway.engines.base import EngineError, EngineInfo, EngineRejected, Generation, SamplingParams, StreamDelta
+from gateway.engines.base import (
+    EngineError,
+    EngineInfo,
+    EngineRejected,
+    Generation,
+    SamplingParams,
+    StreamDelta,
+    Transport,
+)
 
 
 def sampling_body(sampling: SamplingParams) -> dict[str, Any]:

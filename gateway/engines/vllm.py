@@ -34,8 +34,15 @@ from typing import Any
 
 import aiohttp
 
-from gateway.engines._http import Transport
-from gateway.engines.base import EngineError, EngineInfo, EngineRejected, Generation, SamplingParams, StreamDelta
+from gateway.engines.base import (
+    EngineError,
+    EngineInfo,
+    EngineRejected,
+    Generation,
+    SamplingParams,
+    StreamDelta,
+    Transport,
+)
 from gateway.engines.checkpoint import CheckpointInvalid, Signature, check_checkpoint, signature
 
 log = logging.getLogger(__name__)

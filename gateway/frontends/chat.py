@@ -25,8 +25,8 @@ from gateway.frontends import pipeline
 from gateway.frontends.errors import ApiError, error_body, invalid
 from gateway.frontends.pipeline import Core
 from gateway.parsers.base import Event, ParsedOutput
+from gateway.sessions import Prompt
 from gateway.templating import ChatTemplate, Message
-from gateway.tito import Prompt
 
 
 class _Model(BaseModel):

@@ -21,8 +21,7 @@ from gateway.engines import Generation, SamplingParams
 from gateway.frontends.chat import StreamOptions, sampling_of
 from gateway.frontends.errors import ApiError, error_body, invalid
 from gateway.frontends.pipeline import SSE_HEADERS, Core, Exchange, choice_seed, now
-from gateway.sessions import Session
-from gateway.tito import Prompt
+from gateway.sessions import Prompt, Session
 
 
 class CompletionRequest(BaseModel):

@@ -22,8 +22,8 @@ from gateway.frontends.chat import sampling_of
 from gateway.frontends.errors import ApiError, error_body, invalid
 from gateway.frontends.pipeline import Core
 from gateway.parsers.base import Event, ParsedOutput, ToolCall, load_json
+from gateway.sessions import Prompt
 from gateway.templating import Message, TemplateError
-from gateway.tito import Prompt
 
 
 class _Model(BaseModel):

@@ -38,20 +38,18 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json
 
 from datapool.records import CallRecord
-from gateway import metrics
 from gateway.config import GatewaySettings
-from gateway.engines import EngineError, EngineRouter, EngineUnavailable, Generation, SamplingParams, StreamDelta
+from gateway.engines import EngineError, EngineUnavailable, Generation, SamplingParams, StreamDelta
+from gateway.fleet import EngineRouter, Paused, WeightGate
 from gateway.forks import Replayed
 from gateway.frontends.errors import ApiError, Flavour, error_response, from_validation, invalid
 from gateway.parsers import parser_spec
 from gateway.parsers.base import Event, ParsedOutput, StreamParser, ToolSpecs
 from gateway.parsers.stream import collect
 from gateway.profile import ModelProfile
-from gateway.recorder import Recorder
-from gateway.sessions import Session, SessionStore
+from gateway.recorder import Recorder, observe_call, observe_error
+from gateway.sessions import Prompt, Session, SessionStore
 from gateway.templating import ChatTemplate, Message, TemplateError
-from gateway.tito import Prompt
-from gateway.weights import Paused, WeightGate
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +130,17 @@ def error_boundary(flavour: Callable[[str], Flavour], label: Callable[[str], str
         try:
             return await handler(request)
         except ApiError as err:
-            metrics.observe_error(label(request.path), err.status)
+            observe_error(label(request.path), err.status)
             return error_response(flavour(request.path), err)
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
             if exc.status < 400:
                 raise
-            metrics.observe_error(label(request.path), exc.status)
+            observe_error(label(request.path), exc.status)
             message = "the request body is too large" if exc.status == 413 else exc.reason
             return error_response(flavour(request.path), ApiError(exc.status, message))
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            metrics.observe_error(label(request.path), 500)
+            observe_error(label(request.path), 500)
             return error_response(flavour(request.path), ApiError(500, "internal gateway error (logged)"))
 
     return errors
@@ -406,7 +404,7 @@ class Core:
         timings = ex.timings
         first = timings["first_token"] - timings["received"] if "first_token" in timings else None
         for gen in gens:
-            metrics.observe_call(ex.api, stream, gen.finish_reason, timings["done"] - timings["received"],
+            observe_call(ex.api, stream, gen.finish_reason, timings["done"] - timings["received"],
                                  prompt_tokens=len(ex.prompt.ids), completion_tokens=len(gen.output_ids),
                                  first_token_seconds=first)
 

@@ -23,9 +23,8 @@ from gateway.frontends.chat import sampling_of
 from gateway.frontends.errors import ApiError, invalid
 from gateway.frontends.pipeline import Core
 from gateway.parsers.base import Event, ParsedOutput
-from gateway.sessions import Session
+from gateway.sessions import Prompt, Session
 from gateway.templating import Message
-from gateway.tito import Prompt
 
 MAX_KEPT_RESPONSES = 64  # per session, for previous_response_id
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from datapool.base import PoolError, UnknownSession
-from datapool.records import FORK_KEY, Reward
+from datapool.records import FORK_KEY, Purpose, Reward
 from gateway.forks import Replay, recorded_prefix
 from gateway.frontends.errors import ApiError, from_validation
 from gateway.frontends.pipeline import Core, bearer_key
@@ -35,6 +35,7 @@ class NewSession(_Body):
     harness: str = Field(min_length=1, max_length=256)
     group_id: str | None = Field(None, max_length=1024)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    purpose: Purpose = Field("train", description="train | eval (never trained on) | demo (expert demonstrations)")
 
 
 class ForkBody(_Body):
@@ -93,7 +94,7 @@ class SessionRoutes:
         body: NewSession = _parse(NewSession, data)
         if FORK_KEY in body.metadata:
             raise ApiError(400, f"metadata.{FORK_KEY} is set by POST /sessions/<id>/fork", param=f"metadata.{FORK_KEY}")
-        session = self.core.sessions.new(body.task_id, body.harness, body.group_id, body.metadata)
+        session = self.core.sessions.new(body.task_id, body.harness, body.group_id, body.metadata, body.purpose)
         return await self._open(request, session)
 
     async def _open(self, request: web.Request, session: Session) -> web.Response:
@@ -113,7 +114,7 @@ class SessionRoutes:
         session = self._owned(request)
         info = session.info
         answer = {"session_id": info.session_id, "task_id": info.task_id, "harness": info.harness,
-                  "group_id": info.group_id, "calls": session.next_call, "ended": session.ended,
+                  "group_id": info.group_id, "purpose": info.purpose, "calls": session.next_call, "ended": session.ended,
                   FORK_KEY: info.metadata.get(FORK_KEY)}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
@@ -132,7 +133,7 @@ class SessionRoutes:
         except PoolError as exc:
             raise _pool_error(exc) from None
         metadata = {**info.metadata, **body.metadata, FORK_KEY: {"session": sid, "call": body.call}}
-        session = self.core.sessions.new(info.task_id, info.harness, info.group_id, metadata)
+        session = self.core.sessions.new(info.task_id, info.harness, info.group_id, metadata, info.purpose)
         template = self.core.template
         session.replay = Replay(calls, template.stop_token_ids, template.decode)
         return await self._open(request, session)

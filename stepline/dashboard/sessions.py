@@ -37,7 +37,7 @@ class SessionRow:
     task_id: str
     group_key: str
     status: str
-    split: str  # "eval" for the evaluator's sessions (metadata eval), else "train"
+    split: str  # "eval" for the evaluator's sessions (purpose eval), else "train"
     created_at: float
     ended_at: float | None
     reward: float | None  # terminal outcome (weighted sum of terminal components); None: none posted
@@ -61,7 +61,7 @@ def summarise(ep: EpisodeData, verdict: dict[str, Any] | None = None) -> Session
     verdict = verdict or {}
     return SessionRow(
         session_id=info.session_id, harness=info.harness, task_id=info.task_id, group_key=info.group_key,
-        status=info.status, split="eval" if info.metadata.get("eval") else "train", created_at=info.created_at,
+        status=info.status, split="eval" if info.purpose == "eval" else "train", created_at=info.created_at,
         ended_at=info.ended_at, reward=ep.outcome if terminal else None, turns=len(tree.calls),
         tokens=sum(len(n.tokens) for n in tree.nodes), action_tokens=sum(len(n.tokens) for n in acts),
         min_version=min(versions) if versions else None, max_version=max(versions) if versions else None,

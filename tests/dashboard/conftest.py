@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from datapool import open_pool
-from datapool.records import CallRecord, Reward, SessionInfo
+from datapool.records import CallRecord, Purpose, Reward, SessionInfo
 
 
 @dataclass
@@ -40,8 +40,8 @@ class Writer:
 
 
 def write_linear(w: Writer, sid: str, harness: str, task: str, turns: int, version: int, metadata=None,
-                 group: str | None = None) -> None:
-    w.pool.create_session(SessionInfo(sid, task, harness, group_id=group, metadata=metadata or {}))
+                 group: str | None = None, purpose: Purpose = "train") -> None:
+    w.pool.create_session(SessionInfo(sid, task, harness, group_id=group, metadata=metadata or {}, purpose=purpose))
     prompt, records = w.ids(f"system: solve {task}\nuser: go"), []
     for t in range(turns):
         record, seq = w.call(sid, t, prompt, f"step {t}: I think the answer is {t * 7} é", version + t)
@@ -82,7 +82,8 @@ def build_pool(path: Path, tokenizer) -> dict[str, dict]:
         written["s-failed"] = {"harness": "ui", "reward": None, "status": "failed", "split": "train"}
         write_linear(w, "s-open", "search", "t-open", turns=1, version=4)
         written["s-open"] = {"harness": "search", "reward": None, "status": "open", "split": "train"}
-        write_linear(w, "eval::s-0", "search", "t-test", turns=1, version=6, metadata={"eval": True, "split": "test"})
+        write_linear(w, "eval::s-0", "search", "t-test", turns=1, version=6, metadata={"split": "test"},
+                     purpose="eval")
         pool.add_reward(Reward("eval::s-0", 1.0))
         pool.end_session("eval::s-0")
         written["eval::s-0"] = {"harness": "search", "reward": 1.0, "status": "completed", "split": "eval"}

@@ -68,7 +68,7 @@ def add_retried_session(pool_path: Path) -> tuple[str, str]:
     try:
         by_group: dict[str, list[str]] = {}
         for info in pool.list_sessions():
-            if not info.metadata.get("eval"):
+            if info.purpose != "eval":
                 by_group.setdefault(info.group_key, []).append(info.session_id)
         for a, b in (members[:2] for members in by_group.values() if len(members) >= 2):
             (prompt, out_a, lp_a, v_a), (prompt_b, out_b, lp_b, v_b) = one_call(pool, a), one_call(pool, b)
@@ -169,7 +169,7 @@ def test_an_episode_from_the_table_shows_the_pools_steps_decoded(page, served, m
     url, run, _ = served
     pool = open_pool(f"sqlite:///{run / 'pool.db'}", read_only=True)
     try:
-        train = [s for s in pool.list_sessions() if not s.metadata.get("eval") and s.session_id != FORK]
+        train = [s for s in pool.list_sessions() if s.purpose != "eval" and s.session_id != FORK]
         session = max(train, key=lambda s: sum(len(n.tokens) for n in pool.get_tree(s.session_id).nodes))
         tree = pool.get_tree(session.session_id)
     finally:

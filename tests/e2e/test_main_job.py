@@ -26,7 +26,7 @@ def test_every_part_took_part(main_job_run: tuple[Path, dict]) -> None:
         stats = pool.stats()
         sessions = pool.list_sessions()
         # calls recorded and trees built for the training sessions
-        trained = [s for s in sessions if not s.metadata.get("eval")]
+        trained = [s for s in sessions if s.purpose != "eval"]
         assert stats["calls"] > 0 and trained
         harnesses = {s.harness for s in trained}
         assert harnesses == {"search", "terminal", "ui"} or len(harnesses) >= 2
@@ -40,7 +40,7 @@ def test_every_part_took_part(main_job_run: tuple[Path, dict]) -> None:
             assert info.status != "open", info.session_id
             assert any(r.step is None for r in episode.rewards), info.session_id
         # evaluation before RL ran on version 0, after RL on the pushed version 2 (stamped at dispatch)
-        versions = {n.weight_version for s in sessions if s.metadata.get("eval")
+        versions = {n.weight_version for s in sessions if s.purpose == "eval"
                     for n in pool.get_tree(s.session_id).nodes if n.kind == "act"}
         assert versions == {0, 2}
     finally:

@@ -42,7 +42,7 @@ def _eval_actions(pool, version: int) -> list[tuple[str, list[int], list[int], l
     """(harness, prompt ids, output ids, recorded logprobs) of the evaluation calls sampled by `version`."""
     out = []
     for info in pool.list_sessions():
-        if not info.metadata.get("eval"):
+        if info.purpose != "eval":
             continue
         episode = pool.get_episode(info.session_id)
         for traj in episode.trajectories:

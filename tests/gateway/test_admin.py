@@ -10,9 +10,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.admin import admin_routes
-from gateway.engines import EngineRouter, make_engine
+from gateway.engines import make_engine
+from gateway.fleet import EngineRouter, WeightGate
 from gateway.testing import FakeEngine
-from gateway.weights import WeightGate
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -9,15 +9,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from gateway.engines import (
-    EngineError,
-    EngineRejected,
-    EngineRouter,
-    EngineTimeout,
-    EngineUnavailable,
-    SamplingParams,
-    make_engine,
-)
+from gateway.engines import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, SamplingParams, make_engine
+from gateway.fleet import EngineRouter
 from gateway.testing import FakeEngine, Scripted
 
 # (kind, FakeEngine api, SGLang incremental streaming)

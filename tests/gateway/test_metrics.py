@@ -6,7 +6,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import REGISTRY
 
-from gateway import metrics
+from gateway.recorder import metrics_routes, observe_call, observe_error
 
 
 def sample(name: str, **labels: str) -> float:
@@ -16,15 +16,15 @@ def sample(name: str, **labels: str) -> float:
 async def test_observed_calls_appear_in_metrics() -> None:
     before = sample("stepline_gateway_calls_total", api="messages", finish_reason="stop")
     tokens = sample("stepline_gateway_tokens_total", kind="completion")
-    metrics.observe_call(
+    observe_call(
         "messages", True, "stop", 0.03, prompt_tokens=100, completion_tokens=7, first_token_seconds=0.01
     )
-    metrics.observe_error("messages", 503)
+    observe_error("messages", 503)
     assert sample("stepline_gateway_calls_total", api="messages", finish_reason="stop") == before + 1
     assert sample("stepline_gateway_tokens_total", kind="completion") == tokens + 7
 
     app = web.Application()
-    app.add_routes(metrics.metrics_routes())
+    app.add_routes(metrics_routes())
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         resp = await client.get("/metrics")
         text = await resp.text()

@@ -174,3 +174,30 @@ def test_token_memory_is_bounded_to_the_most_recent_sessions(qwen3_model_dir: Pa
     assert a.tokens.prompt_for([{"role": "user", "content": "hi"}], None).reused == len(prompt.ids)
     store.touch(b)  # a is now the least recently used beyond the bound: its memory goes
     assert a.tokens.prompt_for([{"role": "user", "content": "hi"}], None).reused == 0
+
+
+async def test_a_sessions_purpose_is_typed(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    tok = tokenizer(qwen3_model_dir)
+    admin = {"Authorization": "Bearer adm"}
+    async with fake_engine(tok, ["a"]) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        async with httpx.AsyncClient(base_url=served.url, headers=admin) as c:
+            for bad in ("training", "", 1, None, ["eval"]):
+                r = await c.post("/sessions", json={"task_id": "t", "harness": "h", "purpose": bad})
+                assert r.status_code == 400, (bad, r.text)
+                error = r.json()["error"]
+                assert error["param"] == "purpose" and "'train', 'eval' or 'demo'" in error["message"], error
+        trained, evaluated = await served.session(), await served.session(purpose="eval", metadata={"split": "test"})
+        async with httpx.AsyncClient(base_url=served.url, headers=admin) as c:
+            chat = await c.post(f"/s/{evaluated['session_id']}/v1/chat/completions", json=CHAT,
+                                headers={"Authorization": f"Bearer {evaluated['api_key']}"})
+            assert chat.status_code == 200, chat.text
+            await served.flush()
+            shown = (await c.get(f"/sessions/{evaluated['session_id']}")).json()
+            fork = await c.post(f"/sessions/{evaluated['session_id']}/fork", json={"call": 0})
+            assert fork.status_code == 201, fork.text
+            bad_fork = await c.post(f"/sessions/{evaluated['session_id']}/fork", json={"call": 0, "purpose": "train"})
+        assert shown["purpose"] == "eval"
+        assert bad_fork.status_code == 400  # a fork keeps its source's purpose
+        assert served.pool.get_session(trained["session_id"]).purpose == "train"
+        assert served.pool.get_session(evaluated["session_id"]).purpose == "eval"
+        assert served.pool.get_session(fork.json()["session_id"]).purpose == "eval"

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gateway.sessions import TextMemory, TokenState
 from gateway.templating import ChatTemplate
-from gateway.tito import TextMemory, TokenState
 
 TOOLS = [{"type": "function", "function": {"name": "get", "description": "fetch",
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]

@@ -64,10 +64,10 @@ async def test_tiny_model_episodes_land_in_the_pool_with_rewards_and_groups(tiny
                 info = pool.get_session(r.session_id)
                 assert info.status == r.status and pool.get_episode(r.session_id).outcome == r.reward
             groups = pool.claim_groups("test", min_version=0, max_groups=10, group_size=2)
-            train = [g for g in groups if not g.episodes[0].info.metadata.get("eval")]
+            train = [g for g in groups if g.episodes[0].info.purpose == "train"]
             assert len(train) == 1 and {e.info.session_id for e in train[0].episodes} == {r.session_id for r in driver.results}
             (evaluated,) = report["episodes"]
-            assert pool.get_session(evaluated["session_id"]).metadata["eval"] is True
+            assert pool.get_session(evaluated["session_id"]).purpose == "eval"
             assert report["harnesses"]["terminal"]["episodes"] == 1 and report["weight_version"] == 0
 
 

@@ -33,7 +33,7 @@ async def test_every_task_once_tagged_eval() -> None:
     # limit 2 per harness, one session per task (group size and weights do not apply)
     assert sorted(body["task_id"] for body in gw.sessions.values()) == ["a", "b", "x", "y"]
     for body in gw.sessions.values():
-        assert body["metadata"] == {"eval": True, "split": "test", "attempt": 0}
+        assert body["metadata"] == {"split": "test", "attempt": 0} and body["purpose"] == "eval"
         assert body["group_id"].startswith("eval::")
     assert report["weight_version"] is None  # the stand-in has no /health
 

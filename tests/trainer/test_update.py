@@ -165,7 +165,7 @@ def test_eval_and_flat_groups_are_filtered(tiny_model_dir: Path) -> None:
     varied, flat_group, evaluation = toy_groups(3)
     for ep in flat_group.episodes:
         ep.rewards[0].value = 0.5
-    evaluation.episodes[0].info.metadata["eval"] = True
+    evaluation.episodes[0].info.purpose = "eval"
     keep = group_filter(TrainerConfig(model_dir=tiny_model_dir))
     assert [keep(g) for g in (varied, flat_group, evaluation)] == [None, "no_variance", "eval"]
     sft = group_filter(TrainerConfig(model_dir=tiny_model_dir, mode="sft"))

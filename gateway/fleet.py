@@ -1,6 +1,18 @@
-"""The weight gate: stamps each call with the weight version serving it, and swaps weights safely.
+"""The engines behind the gateway: which one serves a session (the router) and under which weight
+version (the weight gate), and swapping the weights of all of them safely.
 
-An update, in order:
+## The router
+
+Session-sticky routing over several engines, with background health checks.
+
+A session is assigned an engine on its first call (crc32 of the id over the healthy engines) and
+keeps it, so its growing prefix stays in that engine's cache. When an engine fails its health check
+(or a call finds it unreachable), new sessions go elsewhere, and sessions assigned to it move to a
+healthy one on their next call: a dead engine cannot serve them, and their cache there is gone anyway.
+
+## The weight gate
+
+`WeightGate.admit` stamps each call at dispatch with the weight version serving it. An update, in order:
 1. closes admission: new calls are held (up to `max_wait` s, then `Paused`: the app answers 503 with
    Retry-After) and go on once the update is done, under the new version;
 2. gives in-flight calls `grace` s to finish on the old weights;
@@ -22,11 +34,76 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import zlib
+from collections import OrderedDict
 
-from gateway import metrics
-from gateway.engines import EngineClient, EngineError, EngineRouter
+from gateway.engines import EngineClient, EngineError, EngineUnavailable
+from gateway.recorder import IN_FLIGHT, WEIGHT_UPDATES, WEIGHT_VERSION
 
 log = logging.getLogger(__name__)
+
+
+class EngineRouter:
+    def __init__(
+        self, clients: list[EngineClient], health_interval: float = 2.0, max_sessions: int = 1_000_000
+    ) -> None:
+        if not clients:
+            raise ValueError("EngineRouter needs at least one engine")
+        self.clients = list(clients)
+        self.health_interval = health_interval
+        self.max_sessions = max_sessions  # assignment table bound: the oldest sessions are forgotten first
+        self.healthy: dict[str, bool] = {c.url: True for c in self.clients}  # optimistic until checked
+        self._assigned: OrderedDict[str, EngineClient] = OrderedDict()
+        self._task: asyncio.Task[None] | None = None
+
+    def for_session(self, session_id: str) -> EngineClient:
+        """The engine serving this session; raises EngineUnavailable when every engine is down."""
+        client = self._assigned.get(session_id)
+        if client is not None and self.healthy[client.url]:
+            return client
+        live = [c for c in self.clients if self.healthy[c.url]]
+        if not live:
+            raise EngineUnavailable("no healthy engine", retry_after=self.health_interval)
+        client = live[zlib.crc32(session_id.encode()) % len(live)]
+        self._assigned[session_id] = client
+        if len(self._assigned) > self.max_sessions:
+            self._assigned.popitem(last=False)
+        return client
+
+    def forget(self, session_id: str) -> None:
+        """Drop a finished session's assignment."""
+        self._assigned.pop(session_id, None)
+
+    def mark_unhealthy(self, client: EngineClient) -> None:
+        """A call found the engine unreachable: route around it until a health check passes again."""
+        if self.healthy.get(client.url):
+            log.warning("engine %s marked unhealthy after a failed call", client.url)
+        self.healthy[client.url] = False
+
+    async def check_health(self) -> None:
+        results = await asyncio.gather(*(c.health() for c in self.clients))
+        for client, ok in zip(self.clients, results):
+            if ok != self.healthy[client.url]:
+                log.warning("engine %s is %s", client.url, "healthy again" if ok else "DOWN")
+            self.healthy[client.url] = ok
+
+    async def start(self) -> None:
+        if self._task is not None:  # already running
+            return
+        await self.check_health()
+        self._task = asyncio.create_task(self._loop(), name="engine-health")
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            await self.check_health()
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
 
 
 class Paused(Exception):
@@ -91,8 +168,8 @@ class WeightGate:
         self._open.set()
         self._drained = asyncio.Event()
         self._drained.set()
-        metrics.WEIGHT_VERSION.set(initial_version)
-        metrics.IN_FLIGHT.set_function(lambda: self.in_flight)
+        WEIGHT_VERSION.set(initial_version)
+        IN_FLIGHT.set_function(lambda: self.in_flight)
 
     def admit(self) -> _Admission:
         """Waits while an update runs (<= max_wait, then raises Paused); yields the version stamped
@@ -112,7 +189,7 @@ class WeightGate:
             await self._update_all(path, version)
         except Exception as exc:
             self.last_error = str(exc)
-            metrics.WEIGHT_UPDATES.labels("failed").inc()
+            WEIGHT_UPDATES.labels("failed").inc()
             log.error(
                 "weight update to version %d (%s) failed; version %d keeps serving: %s",
                 version,
@@ -125,8 +202,8 @@ class WeightGate:
             self.updating = False
             self._open.set()
         self.version, self.path, self.last_error = version, path, None
-        metrics.WEIGHT_VERSION.set(version)
-        metrics.WEIGHT_UPDATES.labels("ok").inc()
+        WEIGHT_VERSION.set(version)
+        WEIGHT_UPDATES.labels("ok").inc()
         log.info("weights updated to version %d from %s", version, path)
         return version
 
