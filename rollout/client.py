@@ -58,8 +58,13 @@ class GatewayClient:
         await self._http.aclose()
 
     async def open_session(self, task_id: str, harness: str, group_id: str | None, metadata: dict[str, Any],
-                           purpose: Purpose = "train") -> SessionHandle:
-        body = {"task_id": task_id, "harness": harness, "group_id": group_id, "metadata": metadata, "purpose": purpose}
+                           purpose: Purpose = "train", sampling: dict[str, float] | None = None) -> SessionHandle:
+        """`sampling` (temperature, top_p, top_k): what the gateway uses for every call of the session, whatever
+        the harness asks."""
+        body: dict[str, Any] = {"task_id": task_id, "harness": harness, "group_id": group_id, "metadata": metadata,
+                                "purpose": purpose}
+        if sampling:
+            body["sampling"] = sampling
         return _handle("/sessions", await self._post("/sessions", body))
 
     async def fork_session(self, session_id: str, call: int, metadata: dict[str, Any] | None = None) -> SessionHandle:

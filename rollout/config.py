@@ -93,6 +93,10 @@ class RolloutConfig(BaseModel):
     harnesses: list[HarnessSpec] = Field(default_factory=list, description="the harness mix")
     group_size: int = Field(4, ge=1, description="sessions per task (G); one group is G episodes of one task")
     max_concurrency: int = Field(8, ge=1, description="episodes running at once")
+    temperature: float | None = Field(
+        None, ge=0, le=2, description="sampling temperature of every call of these episodes, set by the gateway "
+                                      "whatever the harness asks (0: greedy; None: the harness's own, and the "
+                                      "engine's 1.0 where it sets none)")
     episode_timeout_s: float = Field(
         300.0, gt=0, description="wall time of one episode (a harness process, or a worker's child), then SIGKILL")
     verify_timeout_s: float = Field(60.0, gt=0, description="wall time of one verifier (process or worker child)")

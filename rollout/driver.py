@@ -196,9 +196,15 @@ class RolloutDriver:
         return result
 
     async def _attempt(self, spec: HarnessSpec, task_id: str, group_id: str | None, metadata: dict[str, Any]) -> EpisodeResult:
-        result, _ = await self.played(spec, task_id, lambda: self.gateway.open_session(task_id, spec.name, group_id, metadata,
-                                                                                       self.purpose))
+        result, _ = await self.played(spec, task_id, lambda: self.open_session(spec, task_id, group_id, metadata))
         return result
+
+    def open_session(self, spec: HarnessSpec, task_id: str, group_id: str | None,
+                     metadata: dict[str, Any]) -> Awaitable[SessionHandle]:
+        """A session of this driver's purpose, sampled at the configured temperature (if any)."""
+        t = self.config.temperature
+        return self.gateway.open_session(task_id, spec.name, group_id, metadata, self.purpose,
+                                         None if t is None else {"temperature": t})
 
     async def played(self, spec: HarnessSpec, task_id: str, open_session: Callable[[], Awaitable[SessionHandle]],
                       end: bool = True) -> tuple[EpisodeResult, SessionHandle | None]:

@@ -1,8 +1,10 @@
 """Evaluation: the test split of every harness in a job, through the current policy at the gateway.
 
     stepline eval JOB.toml --gateway http://127.0.0.1:8000 [--admin-token T] [--out eval.json] [--limit N]
+                           [--temperature T]
 
-Each test task runs once (greedy or not is the engine's business) in a session of purpose "eval"
+Each test task runs once (at `--temperature` where given, which the gateway applies to every call of the
+session whatever the harness asks; else at the job's [rollout] temperature or the harness's own) in a session of purpose "eval"
 (`SessionInfo.purpose`) with metadata {"split": "test"} and an explicit group id "eval::<task>::<harness>::…",
 so a trainer leaves these sessions out. Prints success per harness and writes the report as JSON.
 """
@@ -27,18 +29,20 @@ __all__ = ["eval_command", "evaluate", "spread"]
 
 
 async def evaluate(config: RolloutConfig, gateway_url: str, admin_token: str | None = None, split: str = "test",
-                   limit: int | None = None) -> dict[str, Any]:
-    """Run `split` of every harness once per task; {"split", "weight_version", "harnesses": {name: stats},
-    "episodes": [...]}."""
+                   limit: int | None = None, temperature: float | None = None) -> dict[str, Any]:
+    """Run `split` of every harness once per task (at `temperature`, else the rollouts'); {"split",
+    "temperature", "weight_version", "harnesses": {name: stats}, "episodes": [...]}."""
+    update: dict[str, Any] = {"retries": 0} if temperature is None else {"retries": 0, "temperature": temperature}
+    config = config.model_copy(update=update)
     tasks = await asyncio.to_thread(lambda: {h.name: spread(list_tasks(h, split), limit) for h in config.harnesses})
     with tempfile.TemporaryDirectory(prefix="stepline-eval-", dir=config.work_dir) as work:
         async with (GatewayClient(gateway_url, admin_token) as gateway,
-                    RolloutDriver(config.model_copy(update={"retries": 0}), gateway, Path(work), purpose="eval") as driver):
+                    RolloutDriver(config, gateway, Path(work), purpose="eval") as driver):
             await asyncio.gather(*(
                 driver.run_group(spec, task_id, group_size=1, metadata={"split": split}, prefix="eval::")
                 for spec in config.harnesses for task_id in tasks[spec.name]
             ))
-    return {"split": split, "weight_version": await _weight_version(gateway_url),
+    return {"split": split, "temperature": config.temperature, "weight_version": await _weight_version(gateway_url),
             "harnesses": driver.summary(), "episodes": results_json(driver.results)}
 
 
@@ -67,17 +71,20 @@ async def _weight_version(gateway_url: str) -> int | None:
               help="Admin token of the gateway [env STEPLINE_ADMIN_TOKEN].")
 @click.option("--split", type=click.Choice(["train", "test"]), default="test", show_default=True)
 @click.option("--limit", type=click.IntRange(1), default=None, help="At most this many tasks per harness.")
+@click.option("--temperature", type=click.FloatRange(0, 2), default=None,
+              help="Sampling temperature of every call, whatever the harness asks (0: greedy; default: the job's "
+                   "[rollout] temperature, else the harness's own).")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=Path("eval.json"),
               show_default=True, help="Where the JSON report goes.")
 def eval_command(job_file: Path, gateway_url: str | None, admin_token: str | None, split: str, limit: int | None,
-                 out_file: Path) -> None:
+                 temperature: float | None, out_file: Path) -> None:
     """Success per harness on the test split, through the current policy."""
     if not gateway_url:
         raise click.UsageError("no gateway: pass --gateway URL (start one with `stepline up`)")
     config = load_rollout_config(job_file)
     if not config.harnesses:
         raise click.UsageError(f"{job_file} has no [[rollout.harnesses]]")
-    report = asyncio.run(evaluate(config, gateway_url, admin_token, split, limit))
+    report = asyncio.run(evaluate(config, gateway_url, admin_token, split, limit, temperature))
     out_file.write_text(json.dumps(report, indent=1))
     click.echo(format_stats(report["harnesses"]))
     click.echo(f"weight version {report['weight_version']}; report written to {out_file}")

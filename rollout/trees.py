@@ -58,7 +58,7 @@ async def run_tree_group(driver: RolloutDriver, spec: HarnessSpec, task_id: str,
     rng = random.Random(f"{driver.config.seed}:{group_id}")
 
     def root() -> Awaitable[SessionHandle]:
-        return driver.gateway.open_session(task_id, spec.name, group_id, {**metadata, "attempt": 0}, driver.purpose)
+        return driver.open_session(spec, task_id, group_id, {**metadata, "attempt": 0})
 
     played = await asyncio.gather(*(_episode(driver, spec, task_id, root, 0) for _ in range(search.trees)))
     trees = [[ep] for ep in played if ep is not None]

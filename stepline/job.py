@@ -86,6 +86,8 @@ class ServicesSection(_Section):
 class EvalSection(_Section):
     limit: int | None = Field(30, ge=1, description="test tasks per harness (None: the whole test split)")
     every: int | None = Field(None, ge=1, description="also evaluate every k RL updates (None: before and after)")
+    temperature: float | None = Field(None, ge=0, le=2, description="sampling temperature of the test episodes "
+                                      "(0: greedy; None: the rollouts', [rollout] temperature)")
 
 
 class PartResources(_Section):

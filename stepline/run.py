@@ -223,7 +223,7 @@ def evaluate_once(cfg: JobConfig, run: RunDir, gateway_url: str, token: str, tag
     if path.is_file():
         return json.loads(path.read_text())
     click.echo(f"evaluating ({tag}) on the test split…")
-    report = asyncio.run(evaluate(cfg.rollout, gateway_url, token, "test", cfg.eval.limit))
+    report = asyncio.run(evaluate(cfg.rollout, gateway_url, token, "test", cfg.eval.limit, cfg.eval.temperature))
     path.write_text(json.dumps(report, indent=1))
     click.echo(format_stats(report["harnesses"]))
     return report

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, cast
 
 import numpy as np
@@ -67,7 +68,8 @@ class Completions:
         return Prompt(np.asarray(source, dtype=np.int32), 0, 0)
 
     def samplings(self, prompt: Prompt) -> list[SamplingParams]:
-        base = sampling_of(self.req.temperature, self.req.top_p, self.req.top_k, self.req.stop, self.req.seed)
+        base = replace(sampling_of(self.req.temperature, self.req.top_p, self.req.top_k, self.req.stop, self.req.seed),
+                       **self.session.sampling)
         base.max_new_tokens = self.core.max_new_tokens(len(prompt.ids), self.req.max_tokens)
         return [base if base.seed is None else SamplingParams(**{**base.__dict__, "seed": choice_seed(base.seed, i)})
                 for i in range(self.req.n)]

@@ -568,7 +568,7 @@ def build_prompt(core: Core, session: Session, call: ChatCall) -> tuple[Prompt, 
     except TemplateError as exc:
         raise invalid(str(exc) + core.tool_history_hint(call.messages), param="messages") from None
     budget = core.max_new_tokens(len(prompt.ids), call.max_tokens)
-    base = replace(call.sampling, max_new_tokens=budget,
+    base = replace(call.sampling, **session.sampling, max_new_tokens=budget,
                    stop_token_ids=sorted({*call.sampling.stop_token_ids, *core.template.stop_token_ids}))
     # n choices of one seeded call must differ from each other and still be reproducible
     samplings = [base if base.seed is None else replace(base, seed=choice_seed(base.seed, i)) for i in range(call.n)]

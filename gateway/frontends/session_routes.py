@@ -36,6 +36,16 @@ class NewSession(_Body):
     group_id: str | None = Field(None, max_length=1024)
     metadata: dict[str, Any] = Field(default_factory=dict)
     purpose: Purpose = Field("train", description="train | eval (never trained on) | demo (expert demonstrations)")
+    sampling: SessionSampling | None = None
+
+
+class SessionSampling(_Body):
+    """What the runner fixes for every call of a session, whatever the harness asks: the exploration temperature
+    of training rollouts, greedy decoding for an evaluation (verl's rollout vs val_kwargs). Unset: the request's."""
+
+    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1: no top-k cut")
 
 
 class ForkBody(_Body):
@@ -95,6 +105,8 @@ class SessionRoutes:
         if FORK_KEY in body.metadata:
             raise ApiError(400, f"metadata.{FORK_KEY} is set by POST /sessions/<id>/fork", param=f"metadata.{FORK_KEY}")
         session = self.core.sessions.new(body.task_id, body.harness, body.group_id, body.metadata, body.purpose)
+        if body.sampling is not None:
+            session.sampling = body.sampling.model_dump(exclude_none=True)
         return await self._open(request, session)
 
     async def _open(self, request: web.Request, session: Session) -> web.Response:
@@ -136,6 +148,7 @@ class SessionRoutes:
         session = self.core.sessions.new(info.task_id, info.harness, info.group_id, metadata, info.purpose)
         template = self.core.template
         session.replay = Replay(calls, template.stop_token_ids, template.decode)
+        session.sampling = dict(source.sampling)  # a branch samples as its trunk did
         return await self._open(request, session)
 
     def _owned(self, request: web.Request) -> Session:

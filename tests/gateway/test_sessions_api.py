@@ -201,3 +201,39 @@ async def test_a_sessions_purpose_is_typed(qwen3_model_dir: Path, tmp_path: Path
         assert served.pool.get_session(trained["session_id"]).purpose == "train"
         assert served.pool.get_session(evaluated["session_id"]).purpose == "eval"
         assert served.pool.get_session(fork.json()["session_id"]).purpose == "eval"
+
+
+async def test_the_runners_sampling_holds_for_every_call_of_a_session(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    # training rollouts at the runner's temperature, evaluations greedy: whatever the black-box harness asks
+    tok = tokenizer(qwen3_model_dir)
+    admin = {"Authorization": "Bearer adm"}
+    async with fake_engine(tok, ["a", "b", "c", "d"]) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        async with httpx.AsyncClient(base_url=served.url, headers=admin) as c:
+            for bad in ({"temperature": 5}, {"temperature": "hot"}, {"top_p": 0}, {"top_k": -2}, {"seed": 1}, 0.7):
+                r = await c.post("/sessions", json={"task_id": "t", "harness": "h", "sampling": bad})
+                assert r.status_code == 400 and "sampling" in r.json()["error"]["param"], (bad, r.text)
+        fixed = await served.session(sampling={"temperature": 0, "top_k": 5})
+        free = await served.session()
+        async with httpx.AsyncClient(base_url=served.url) as c:
+            for s in (fixed, free):
+                key = {"Authorization": f"Bearer {s['api_key']}"}
+                chat = await c.post(f"/s/{s['session_id']}/v1/chat/completions", headers=key,
+                                    json={**CHAT, "temperature": 0.9, "top_p": 0.8})
+                text = await c.post(f"/s/{s['session_id']}/v1/completions", headers=key,
+                                    json={"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0.9})
+                assert chat.status_code == 200 and text.status_code == 200, (chat.text, text.text)
+            fork = await c.post(f"/sessions/{fixed['session_id']}/fork", json={"call": 0}, headers=admin)
+            assert fork.status_code == 201, fork.text
+            branch = fork.json()
+            r = await c.post(f"/s/{branch['session_id']}/v1/chat/completions", json=CHAT,
+                             headers={"Authorization": f"Bearer {branch['api_key']}"})
+            assert r.status_code == 200, r.text
+        await served.flush()
+
+        def sampled(session: dict) -> list[tuple]:
+            return [(c.sampling["temperature"], c.sampling["top_p"], c.sampling["top_k"])
+                    for c in served.pool.get_calls(session["session_id"])]
+
+        assert sampled(fixed) == [(0.0, 0.8, 5), (0.0, 1.0, 5)]  # the session's fields win; top_p stays the request's
+        assert sampled(free) == [(0.9, 0.8, -1), (0.9, 1.0, -1)]
+        assert sampled(branch)[-1] == (0.0, 1.0, 5)  # a fork samples as its source did

@@ -38,6 +38,22 @@ async def test_every_task_once_tagged_eval() -> None:
     assert report["weight_version"] is None  # the stand-in has no /health
 
 
+async def test_sessions_carry_the_temperature_of_the_rollouts_or_of_the_evaluation() -> None:
+    config = _config().model_copy(update={"temperature": 0.7})
+    async with session_standin() as gw:
+        await evaluate(config, gw.url, "admin", limit=1)
+        trained = list(gw.sessions.values())
+        gw.sessions.clear()
+        await evaluate(config, gw.url, "admin", limit=1, temperature=0.0)
+        greedy = list(gw.sessions.values())
+        gw.sessions.clear()
+        await evaluate(_config(), gw.url, "admin", limit=1)
+        unset = list(gw.sessions.values())
+    assert [b["sampling"] for b in trained] == [{"temperature": 0.7}] * 2
+    assert [b["sampling"] for b in greedy] == [{"temperature": 0.0}] * 2
+    assert all("sampling" not in b for b in unset)  # the harness's own sampling
+
+
 @contextmanager
 def standin_in_thread() -> Iterator[StandIn]:
     """The stand-in on its own loop, for a CLI that runs asyncio.run itself."""
