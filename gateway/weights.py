@@ -9,7 +9,9 @@ An update, in order:
    tokens sampled so far and finish_reason "abort", then resumes at once. Their tokens all come from the
    old weights, so the version stamped at dispatch stays true; a request still on its way to the engine
    is served and cut short in the next round, once a second, until no call is in flight;
-4. asks every engine to pause, load the checkpoint and resume, then bumps the version and reopens.
+4. asks every engine in rotation to pause, load the checkpoint and resume, then bumps the version and
+   reopens. An engine that is down misses the update; when it answers again, the router hands it to
+   `resync` first, which loads the current checkpoint into it (unless it already serves that version).
 So a long stream delays an update by `grace` s at most, and never fails a call that arrives during it.
 If any engine fails to load, the engines that did load it are moved back to the previous checkpoint
 (when it is known), the old version keeps serving, and the error is raised to the caller.
@@ -91,6 +93,8 @@ class WeightGate:
         self._open.set()
         self._drained = asyncio.Event()
         self._drained.set()
+        self._swap = asyncio.Lock()  # an update and an engine's catch-up (resync) never interleave
+        router.on_recovery = self.resync
         metrics.WEIGHT_VERSION.set(initial_version)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)
 
@@ -108,8 +112,9 @@ class WeightGate:
         self.updating = True
         self._open.clear()
         try:
-            await self._drain()
-            await self._update_all(path, version)
+            async with self._swap:
+                await self._drain()
+                await self._update_all(path, version)
         except Exception as exc:
             self.last_error = str(exc)
             metrics.WEIGHT_UPDATES.labels("failed").inc()
@@ -130,11 +135,24 @@ class WeightGate:
         log.info("weights updated to version %d from %s", version, path)
         return version
 
+    async def resync(self, client: EngineClient) -> None:
+        """Bring an engine that was down (out of rotation, so it missed any update meanwhile) to the weights
+        this gateway serves now, unless it already reports that version."""
+        async with self._swap:
+            if self.path is None:
+                return  # version 0 from the engine's own start: nothing was loaded since
+            info = await client.info()
+            if info.weight_version == str(self.version):
+                return
+            log.warning("engine %s came back on %s: loading version %d from %s", client.url,
+                        info.weight_version, self.version, self.path)
+            await client.update_weights(self.path, self.version)
+
     async def _drain(self) -> None:
         """Steps 2 and 3 of the module docstring: the grace, then rounds of abort until nothing is in flight."""
         if await self._drained_within(self.grace):
             return
-        clients = self.router.clients
+        clients = self.router.live()
         deadline = asyncio.get_running_loop().time() + self.drain_timeout
         while True:
             log.info("weight update: %d calls still running after the grace; the engines end them", self.in_flight)
@@ -157,7 +175,10 @@ class WeightGate:
         return True
 
     async def _update_all(self, path: str, version: int) -> None:
-        clients = self.router.clients
+        """Every engine in rotation loads the checkpoint; one that is down gets it when it comes back (resync)."""
+        clients = self.router.live()
+        if not clients:
+            raise EngineError("no healthy engine to load the weights into")
         await asyncio.gather(*(c.pause() for c in clients))
         try:
             results = await asyncio.gather(*(c.update_weights(path, version) for c in clients), return_exceptions=True)
