@@ -8,8 +8,9 @@
 Ray places the parts (SPREAD over the nodes, each with its `[cluster]` resources) and carries URLs between
 them; every part is the process or loop it is on one machine (stepline/ray_parts.py). Without an address a
 local Ray instance starts. The run directory must be on a file system every node sees (weights travel
-through it, as on one machine). Not wired yet: FSDP sharding, the NCCL weight path,
-restarting a dead part.
+through it, as on one machine). Faults: an engine replica's actor restarts its process; a lost rollout
+worker's open sessions end as failed with the reason (`Lost`). Not wired yet: FSDP sharding, the NCCL weight
+path, restarting a gateway, a rollout worker or a trainer rank.
 """
 
 from __future__ import annotations
