@@ -9,6 +9,8 @@ A session is assigned an engine on its first call (crc32 of the id over the heal
 keeps it, so its growing prefix stays in that engine's cache. When an engine fails its health check
 (or a call finds it unreachable), new sessions go elsewhere, and sessions assigned to it move to a
 healthy one on their next call: a dead engine cannot serve them, and their cache there is gone anyway.
+An engine that answers again (restarted, perhaps on the base weights) is first handed to `on_recovery`:
+the weight gate loads the weights the gateway serves now into it, so every call stays stamped truly.
 
 ## The weight gate
 
@@ -21,7 +23,9 @@ healthy one on their next call: a dead engine cannot serve them, and their cache
    tokens sampled so far and finish_reason "abort", then resumes at once. Their tokens all come from the
    old weights, so the version stamped at dispatch stays true; a request still on its way to the engine
    is served and cut short in the next round, once a second, until no call is in flight;
-4. asks every engine to pause, load the checkpoint and resume, then bumps the version and reopens.
+4. asks every engine in rotation to pause, load the checkpoint and resume, then bumps the version and
+   reopens. An engine that is down misses the update; when it answers again, the router hands it to
+   `resync` first, which loads the current checkpoint into it (unless it already serves that version).
 So a long stream delays an update by `grace` s at most, and never fails a call that arrives during it.
 If any engine fails to load, the engines that did load it are moved back to the previous checkpoint
 (when it is known), the old version keeps serving, and the error is raised to the caller.
@@ -36,6 +40,7 @@ import asyncio
 import logging
 import zlib
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 from gateway.engines import EngineClient, EngineError, EngineUnavailable
 from gateway.recorder import IN_FLIGHT, WEIGHT_UPDATES, WEIGHT_VERSION
@@ -55,6 +60,8 @@ class EngineRouter:
         self.healthy: dict[str, bool] = {c.url: True for c in self.clients}  # optimistic until checked
         self._assigned: OrderedDict[str, EngineClient] = OrderedDict()
         self._task: asyncio.Task[None] | None = None
+        # awaited before an engine that was down goes back into rotation (set by the weight gate)
+        self.on_recovery: Callable[[EngineClient], Awaitable[None]] | None = None
 
     def for_session(self, session_id: str) -> EngineClient:
         """The engine serving this session; raises EngineUnavailable when every engine is down."""
@@ -81,11 +88,23 @@ class EngineRouter:
         self.healthy[client.url] = False
 
     async def check_health(self) -> None:
+        """Ask every engine; one that answers again after being down is first brought up to date by
+        `on_recovery` (the weight gate loads the weights it serves now) and stays down while that fails."""
         results = await asyncio.gather(*(c.health() for c in self.clients))
         for client, ok in zip(self.clients, results):
+            if ok and not self.healthy[client.url] and self.on_recovery is not None:
+                try:
+                    await self.on_recovery(client)
+                except Exception as exc:  # noqa: BLE001  (any failure keeps it out of rotation; logged, retried)
+                    log.warning("engine %s answers again but could not be brought up to date: %s", client.url, exc)
+                    ok = False
             if ok != self.healthy[client.url]:
                 log.warning("engine %s is %s", client.url, "healthy again" if ok else "DOWN")
             self.healthy[client.url] = ok
+
+    def live(self) -> list[EngineClient]:
+        """The engines in rotation now."""
+        return [c for c in self.clients if self.healthy[c.url]]
 
     async def start(self) -> None:
         if self._task is not None:  # already running
@@ -168,6 +187,8 @@ class WeightGate:
         self._open.set()
         self._drained = asyncio.Event()
         self._drained.set()
+        self._swap = asyncio.Lock()  # an update and an engine's catch-up (resync) never interleave
+        router.on_recovery = self.resync
         WEIGHT_VERSION.set(initial_version)
         IN_FLIGHT.set_function(lambda: self.in_flight)
 
@@ -185,8 +206,9 @@ class WeightGate:
         self.updating = True
         self._open.clear()
         try:
-            await self._drain()
-            await self._update_all(path, version)
+            async with self._swap:
+                await self._drain()
+                await self._update_all(path, version)
         except Exception as exc:
             self.last_error = str(exc)
             WEIGHT_UPDATES.labels("failed").inc()
@@ -207,11 +229,24 @@ class WeightGate:
         log.info("weights updated to version %d from %s", version, path)
         return version
 
+    async def resync(self, client: EngineClient) -> None:
+        """Bring an engine that was down (out of rotation, so it missed any update meanwhile) to the weights
+        this gateway serves now, unless it already reports that version."""
+        async with self._swap:
+            if self.path is None:
+                return  # version 0 from the engine's own start: nothing was loaded since
+            info = await client.info()
+            if info.weight_version == str(self.version):
+                return
+            log.warning("engine %s came back on %s: loading version %d from %s", client.url,
+                        info.weight_version, self.version, self.path)
+            await client.update_weights(self.path, self.version)
+
     async def _drain(self) -> None:
         """Steps 2 and 3 of the module docstring: the grace, then rounds of abort until nothing is in flight."""
         if await self._drained_within(self.grace):
             return
-        clients = self.router.clients
+        clients = self.router.live()
         deadline = asyncio.get_running_loop().time() + self.drain_timeout
         while True:
             log.info("weight update: %d calls still running after the grace; the engines end them", self.in_flight)
@@ -234,7 +269,10 @@ class WeightGate:
         return True
 
     async def _update_all(self, path: str, version: int) -> None:
-        clients = self.router.clients
+        """Every engine in rotation loads the checkpoint; one that is down gets it when it comes back (resync)."""
+        clients = self.router.live()
+        if not clients:
+            raise EngineError("no healthy engine to load the weights into")
         await asyncio.gather(*(c.pause() for c in clients))
         try:
             results = await asyncio.gather(*(c.update_weights(path, version) for c in clients), return_exceptions=True)

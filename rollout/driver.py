@@ -359,9 +359,11 @@ class RolloutDriver:
         self.stats[spec.name].add(result)
         self.results.append(result)
 
-    async def run(self, num_groups: int | None, stop: asyncio.Event | None = None) -> dict[str, dict[str, float]]:
+    async def run(self, num_groups: int | None, stop: asyncio.Event | None = None,
+                  metadata: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
         """Draw (harness by weight, then its next task) and run groups until num_groups are done or
-        `stop` is set; at most max_concurrency episodes run at once. Returns per-harness stats."""
+        `stop` is set; at most max_concurrency episodes run at once; `metadata` goes into every session's.
+        Returns per-harness stats."""
         if self._draw is None:  # kept across calls: a second run() goes on with the next tasks
             self._draw = _TaskDraw(self.config, await asyncio.to_thread(_all_tasks, self.config))
         draw = self._draw
@@ -372,7 +374,7 @@ class RolloutDriver:
             while len(in_flight) >= width:
                 _, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             spec, task_id = draw.next()
-            in_flight.add(asyncio.create_task(self.run_group(spec, task_id)))
+            in_flight.add(asyncio.create_task(self.run_group(spec, task_id, metadata=metadata)))
             launched += 1
         if in_flight:
             await asyncio.wait(in_flight)

@@ -27,11 +27,13 @@ __all__ = ["BackgroundRollouts"]
 
 class BackgroundRollouts:
     def __init__(self, config: RolloutConfig, gateway_url: str, admin_token: str, work_dir: Path, pool: Pool,
-                 batch_groups: int, ahead: int, max_batches: int | None = None, peers: int = 1) -> None:
+                 batch_groups: int, ahead: int, max_batches: int | None = None, peers: int = 1,
+                 metadata: dict[str, Any] | None = None) -> None:
         self.config, self.gateway_url, self.admin_token = config, gateway_url, admin_token
         self.work_dir, self.pool = Path(work_dir), pool
         self.batch_groups, self.ahead, self.max_batches = batch_groups, ahead, max_batches
         self.peers = peers  # drivers sharing the pool, each counting 1/peers of its taken groups
+        self.metadata = dict(metadata or {})  # into every session's metadata (e.g. which rollout worker)
         self.driver: RolloutDriver | None = None
         self.history: list[dict[str, Any]] = []  # one row per finished episode, with its time
         self.error: BaseException | None = None
@@ -56,6 +58,10 @@ class BackgroundRollouts:
                 pass
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def set_peers(self, peers: int) -> None:
+        """Fewer drivers share the pool now (one was lost): count a larger share of the groups taken."""
+        self.peers = max(1, peers)
 
     def running(self) -> bool:
         """True from start() until the driver has delivered its last batch (or failed, or was stopped)."""
@@ -95,7 +101,7 @@ class BackgroundRollouts:
                 await asyncio.sleep(0.2)
                 continue
             seen = len(self.driver.results)
-            await self.driver.run(self.batch_groups, stop=self._halt)
+            await self.driver.run(self.batch_groups, stop=self._halt, metadata=self.metadata)
             batches += 1
             now = time.time() - self._started
             self.history += [{**asdict(r), "t": now, "batch": batches} for r in self.driver.results[seen:]]

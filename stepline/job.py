@@ -100,7 +100,13 @@ class ClusterSection(_Section):
     engines: int = Field(1, ge=1, description="engine replicas (built-in, or `engine_command`)")
     gateways: int = Field(1, ge=1, description="gateways; the engines are split evenly among them (each fronts its own share)")
     rollout_workers: int = Field(1, ge=1, description="rollout workers; worker i plays against gateway i mod gateways")
+    trainers: int = Field(1, ge=1, description="trainer ranks (data parallel: each forwards its share of every "
+                          "update's groups; gloo on CPU, NCCL on GPU)")
     pool_url: str | None = Field(None, description="PostgreSQL pool URL (None: the STEPLINE_PG_URL environment variable)")
+    engine_restarts: int = Field(3, ge=0, description="times an engine replica's actor starts its process again "
+                                 "when it dies (same address; its gateway loads the current weights into it)")
+    namespace: str | None = Field(None, description="Ray namespace of the job's named actors (stepline-engine-0, "
+                                  "stepline-rollout-0, ...); None: an anonymous one")
     engine_command: list[str] | None = Field(
         None, description="argv of an external engine (SGLang, vLLM) with {model} {host} {port}; None: built-in")
     engine: PartResources = PartResources()

@@ -3,7 +3,7 @@
 Each part is what it is on one machine: an engine or a gateway is the same `stepline` process speaking the
 same HTTP, started by a `ServicePart` on the node Ray placed it on; a `RolloutPart` runs the rollout driver
 (`rollout.pacing.BackgroundRollouts`) against one gateway; a `TrainerPart` runs `trainer.loop.train` and
-pushes weights to every gateway. Ray only places the parts and carries URLs between them, so nothing here
+pushes weights to every gateway (rank 0 of `cluster.trainers` data-parallel ranks). Ray only places the parts and carries URLs between them, so nothing here
 imports ray at module level (the core never needs it; `stepline[ray]` is an optional extra).
 """
 
@@ -12,13 +12,16 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
 from stepline.lifeline import PARENT_PID_ENV
 from stepline.up import Child, stop_all, wait_healthy
 
-__all__ = ["RolloutPart", "ServicePart", "TrainerPart", "fill"]
+__all__ = ["WORKER_KEY", "RolloutPart", "ServicePart", "TrainerPart", "fill"]
+
+WORKER_KEY = "rollout_worker"  # session metadata: the index of the rollout worker that plays the session
 
 
 def node_ip() -> str:
@@ -45,30 +48,68 @@ def fill(argv: list[str], values: dict[str, str]) -> list[str]:
 
 
 class ServicePart:
-    """One service process (`argv` with {host} {port} placeholders) on this actor's node, dying with it."""
+    """One service process (`argv` with {host} {port} placeholders) on this actor's node, dying with it. With
+    `restarts` > 0 the actor watches it and starts it again on the same address when it exits on its own, at
+    most `restarts` times (each logged in its log and counted in `restarted`)."""
 
-    def __init__(self, name: str, argv: list[str], logs: Path, env: dict[str, str], model: str = "") -> None:
+    def __init__(self, name: str, argv: list[str], logs: Path, env: dict[str, str], model: str = "",
+                 restarts: int = 0) -> None:
         self.name, self.argv, self.logs, self.env, self.model = name, argv, Path(logs), env, model
+        self.restarts, self.restarted = restarts, 0
         self.child: Child | None = None
         self.url = ""
+        self._argv: list[str] = []
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # the child is replaced by the watcher and stopped by stop()
 
     def start(self, timeout: float) -> str:
         """Start the process, wait for /health; the service's base URL."""
         host = node_ip()
         port = free_port_on(host)
-        argv = fill(self.argv, {"host": host, "port": str(port), "model": self.model})
+        self._argv = fill(self.argv, {"host": host, "port": str(port), "model": self.model})
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.url = f"http://{host}:{port}"
+        self.child = self._spawn()
+        wait_healthy(self.child, self.url, timeout)
+        if self.restarts:
+            threading.Thread(target=self._watch, name=f"{self.name}-watch", daemon=True).start()
+        return self.url
+
+    def _spawn(self) -> Child:
         log = self.logs / f"{self.name}.log"
         with log.open("ab") as out:
             # the lifeline: the process gets SIGTERM when this actor's process goes (ray.kill, a lost node)
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            proc = subprocess.Popen(self._argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**os.environ, PARENT_PID_ENV: str(os.getpid()), **self.env})
-        self.child, self.url = Child(self.name, proc, log), f"http://{host}:{port}"
-        wait_healthy(self.child, self.url, timeout)
-        return self.url
+        return Child(self.name, proc, log)
+
+    def _watch(self) -> None:
+        """Start the process again when it exits while nobody stopped it (bounded; the service itself
+        recovers its state: a gateway loads its current weights into an engine that comes back)."""
+        while not self._stopping.wait(1.0):
+            with self._lock:
+                assert self.child is not None
+                code = self.child.proc.poll()
+                if code is None or self._stopping.is_set():
+                    continue
+                if self.restarted >= self.restarts:
+                    self._note(f"exited with code {code}; no restarts left ({self.restarts} used)")
+                    return
+                self.restarted += 1
+                self._note(f"exited with code {code}; restart {self.restarted} of {self.restarts}")
+                self.child = self._spawn()
+
+    def _note(self, line: str) -> None:
+        with (self.logs / f"{self.name}.log").open("a") as out:
+            out.write(f"[stepline ray part] {self.name} {line}\n")
 
     def alive(self) -> bool:
         return self.child is not None and self.child.proc.poll() is None
+
+    def pid(self) -> int:
+        """The service process's pid (what a fault test kills)."""
+        assert self.child is not None
+        return self.child.proc.pid
 
     def get(self, path: str) -> tuple[int, str]:
         """GET url+path from this node (status, body): how the launcher reads a part's own report."""
@@ -77,10 +118,15 @@ class ServicePart:
         answer = httpx.get(self.url + path, timeout=10.0, headers=_bearer(self.env.get("STEPLINE_ENGINE_TOKEN")))
         return answer.status_code, answer.text
 
+    def restarts_done(self) -> int:
+        return self.restarted
+
     def stop(self) -> None:
         """SIGTERM (a gateway flushes its records first), then SIGKILL after the grace period."""
-        if self.child is not None:
-            stop_all([self.child])
+        self._stopping.set()
+        with self._lock:
+            if self.child is not None:
+                stop_all([self.child])
 
 
 def _bearer(token: str | None) -> dict[str, str]:
@@ -90,7 +136,7 @@ def _bearer(token: str | None) -> dict[str, str]:
 class RolloutPart:
     """The rollout driver on one node, playing its share of the groups against its gateway."""
 
-    def __init__(self, config: Any, gateway_url: str, admin_token: str, work_dir: Path, pool_url: str,
+    def __init__(self, index: int, config: Any, gateway_url: str, admin_token: str, work_dir: Path, pool_url: str,
                  batch_groups: int, ahead: int, max_batches: int, peers: int) -> None:
         from datapool import open_pool
         from rollout.pacing import BackgroundRollouts
@@ -98,13 +144,16 @@ class RolloutPart:
         self.pool = open_pool(pool_url)
         self.rollouts = BackgroundRollouts(config, gateway_url, admin_token, work_dir, self.pool,
                                            batch_groups=batch_groups, ahead=ahead, max_batches=max_batches,
-                                           peers=peers)
+                                           peers=peers, metadata={WORKER_KEY: index})
 
     def start(self) -> None:
         self.rollouts.start()
 
     def running(self) -> bool:
         return self.rollouts.running()
+
+    def set_peers(self, peers: int) -> None:
+        self.rollouts.set_peers(peers)
 
     def finish(self) -> tuple[list[dict[str, Any]], str | None]:
         """Stop starting groups, let the running episodes end; (episode rows, the driver's error or None)."""
@@ -115,13 +164,35 @@ class RolloutPart:
 
 
 class TrainerPart:
-    """The trainer (one process: multi-rank data parallel is not wired), pushing to every gateway."""
+    """One trainer rank of `world` (data parallel, trainer/distributed.py). Rank 0 claims groups, pushes each
+    version to every gateway and checkpoints; the other ranks forward their share of each batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0, world: int = 1) -> None:
         import trainer.loop  # noqa: F401  (torch and transformers: started early, it loads while services start)
 
-    def train(self, cfg: Any, pool_url: str, gateway_urls: list[str], admin_token: str,
+        self.rank, self.world = rank, world
+
+    def rendezvous(self) -> str:
+        """Rank 0's address for the process group: tcp://NODE_IP:FREE_PORT."""
+        host = node_ip()
+        return f"tcp://{host}:{free_port_on(host)}"
+
+    def train(self, cfg: Any, init_method: str, pool_url: str, gateway_urls: list[str], admin_token: str,
               rollouts: list[Any]) -> dict[str, int]:
+        from trainer.distributed import SINGLE, Ranks
+        from trainer.loop import device_of, follow
+
+        ranks = Ranks.join(self.rank, self.world, init_method, device_of(cfg).type) if self.world > 1 else SINGLE
+        try:
+            state = follow(cfg, ranks) if self.rank else self._lead(cfg, pool_url, gateway_urls, admin_token,
+                                                                     rollouts, ranks)
+        finally:
+            ranks.leave()
+        return {"rank": self.rank, "update": state.update, "version": state.version}
+
+    @staticmethod
+    def _lead(cfg: Any, pool_url: str, gateway_urls: list[str], admin_token: str, rollouts: list[Any],
+              ranks: Any) -> Any:
         from datapool import open_pool
         from trainer.loop import train
         from trainer.weight_sync import FanOutWeightSync, GatewayWeightSync
@@ -129,11 +200,10 @@ class TrainerPart:
         pool = open_pool(pool_url)
         sync = FanOutWeightSync([GatewayWeightSync(url, admin_token) for url in gateway_urls])
         try:
-            state = train(cfg, pool, sync, producing=lambda: any_running(rollouts))
+            return train(cfg, pool, sync, producing=lambda: any_running(rollouts), ranks=ranks)
         finally:
             sync.close()
             pool.close()
-        return {"update": state.update, "version": state.version}
 
 
 def any_running(rollouts: list[Any]) -> bool:

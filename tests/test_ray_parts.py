@@ -3,8 +3,11 @@ fan-out, and that nothing imports ray until a Ray job starts (tests/test_ray_job
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +70,53 @@ def test_ray_address_needs_ray_flag(tmp_path: Path) -> None:
     job.write_text("")
     result = CliRunner().invoke(run_command, [str(job), "--ray-address", "auto"])
     assert result.exit_code == 2 and "--ray-address needs --ray" in result.output
+
+
+SERVER = """
+import http.server, sys
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer.allow_reuse_address = True
+http.server.ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), Ok).serve_forever()
+"""
+
+
+def _wait(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_service_part_restarts_its_process_on_the_same_address_a_bounded_number_of_times(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    from stepline import ray_parts
+
+    monkeypatch.setattr(ray_parts, "node_ip", lambda: "127.0.0.1")  # no Ray here: the part is a plain class
+    part = ray_parts.ServicePart("svc", [sys.executable, "-c", SERVER, "{host}", "{port}"], tmp_path, {}, restarts=1)
+    url = part.start(timeout=60)
+    try:
+        first = part.pid()
+        os.kill(first, signal.SIGKILL)
+        assert _wait(lambda: part.restarts_done() == 1 and part.pid() != first and part.alive())
+        assert _wait(lambda: _answers(httpx, url))  # the same address again
+        os.kill(part.pid(), signal.SIGKILL)  # no restarts left: it stays down, and the log says so
+        assert _wait(lambda: "no restarts left" in (tmp_path / "svc.log").read_text())
+        assert not part.alive() and part.restarts_done() == 1
+        assert "restart 1 of 1" in (tmp_path / "svc.log").read_text()
+    finally:
+        part.stop()
+
+
+def _answers(httpx, url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False

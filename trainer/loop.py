@@ -6,6 +6,8 @@ a group is claimed only if all its action tokens were sampled by a version >= cu
 (older groups are marked stale by the pool and never trained).
 
     state = train(cfg, pool, sync)                 # until max_updates, idle_timeout, or an empty pool
+    state = train(cfg, pool, sync, ranks=ranks)    # rank 0 of N data-parallel ranks; the others run
+    follow(cfg, ranks)                             # (trainer/distributed.py)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from trainer.batch import build_batch, episode_filter, group_filter, shaping
 from trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.critic import ValueHead
+from trainer.distributed import SINGLE, Ranks, rank_report
 from trainer.information_gain import reference_ids
 from trainer.memory import keep_freed_memory
 from trainer.metrics import MetricsLog, progress_bar
@@ -34,14 +37,51 @@ from trainer.trainable import add_lora, freeze_below_top
 from trainer.update import Objective, Policy, update
 from trainer.weight_sync import WeightSync, save_weights
 
-__all__ = ["build_policy", "select_trainable", "train"]
+__all__ = ["build_policy", "follow", "select_trainable", "train"]
 
 
 def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = False,
-          producing: Callable[[], bool] | None = None) -> TrainerState:
+          producing: Callable[[], bool] | None = None, ranks: Ranks = SINGLE) -> TrainerState:
     """Train until `max_updates`, or until the pool stays empty for `idle_timeout` (`offline`: at once).
     `producing`, where the caller runs the rollouts itself: while it answers True the loop waits for data
-    however long a batch takes, and `idle_timeout` counts from when it turns False."""
+    however long a batch takes, and `idle_timeout` counts from when it turns False. With several `ranks`
+    this is rank 0: it hands each batch to the others (`follow`), tells them when training ends, and writes
+    what each rank did (`ranks.json`, trainer.distributed.rank_report)."""
+    if ranks.world == 1:
+        return _train(cfg, pool, sync, offline, producing, ranks)[0]
+    try:
+        state, policy, forwarded = _train(cfg, pool, sync, offline, producing, ranks)
+    except BaseException:
+        ranks.broadcast("failed")  # the followers stop without a report
+        raise
+    ranks.broadcast("done")
+    rank_report(ranks, cfg.output_dir, state.update, forwarded, policy.model)
+    return state
+
+
+def follow(cfg: TrainerConfig, ranks: Ranks) -> TrainerState:
+    """Ranks 1..N-1: the same policy (same seed, same checkpoint), then each batch rank 0 hands over, until
+    it says stop. Rank 0 alone claims, pushes weights and checkpoints. The state's `update` counts the
+    updates this rank took part in."""
+    seed_everything(cfg.seed)
+    policy = build_policy(cfg)
+    path = latest_checkpoint(cfg.output_dir / "checkpoints")
+    if path is not None:
+        load_checkpoint(path, policy.model, policy.optimizer, policy.scheduler, policy.value_head)
+    state, forwarded = TrainerState(), 0
+    while isinstance(work := ranks.broadcast(), tuple):
+        batch, update_index, version, offline = work
+        metrics = update(policy, batch, objective(cfg, update_index, offline), version, ranks)
+        state.update, state.version = state.update + 1, version + 1
+        forwarded += int(metrics["rank_episodes"])
+    if work == "done":
+        rank_report(ranks, cfg.output_dir, state.update, forwarded, policy.model)
+    return state
+
+
+def _train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool,
+           producing: Callable[[], bool] | None, ranks: Ranks) -> tuple[TrainerState, Policy, int]:
+    """The loop itself; (state, policy, episodes this rank forwarded)."""
     seed_everything(cfg.seed)
     policy = build_policy(cfg)
     state = resume(cfg.output_dir / "checkpoints", policy, pool, cfg.consumer)
@@ -49,6 +89,7 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
         push_weights(cfg, policy, sync, state.version)  # engines may have restarted on the base weights
     idle_since = time.monotonic()
     carried: Counter = Counter()  # skip counts of batches that had nothing to train
+    forwarded = 0  # episodes this rank forwarded
     pending: list[Group] = []  # claimed groups waiting for a full batch (online, full_batches)
     keep = group_filter(cfg)
     references = reference_ids(cfg.model_dir, cfg.reference_template) if cfg.advantage == "igpo" else lambda e: None
@@ -77,7 +118,9 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
             if not batch.episodes:  # nothing to train: its skip counts go with the next update's metrics
                 carried.update(batch.skipped)
                 continue
-            metrics = update(policy, batch, objective(cfg, state.update, offline), state.version)
+            ranks.broadcast((batch, state.update, state.version, offline))
+            metrics = update(policy, batch, objective(cfg, state.update, offline), state.version, ranks)
+            forwarded += int(metrics["rank_episodes"])
             metrics.update({f"skipped_{k}": metrics.get(f"skipped_{k}", 0) + n for k, n in carried.items()})
             carried.clear()
             state.update, state.version = state.update + 1, state.version + 1
@@ -89,7 +132,7 @@ def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = Fals
             bar.update(0, advance=1, description=f"reward {metrics['reward_mean']:.3f}  "
                                                   f"{metrics['tokens_per_s']:.0f} tok/s")
     checkpoint(cfg, policy, state, pool)
-    return state
+    return state, policy, forwarded
 
 
 def seed_everything(seed: int) -> None:

@@ -43,6 +43,7 @@ from trainer.algorithms import (
     value_targets,
 )
 from trainer.batch import Batch, TokenView, token_view
+from trainer.distributed import SINGLE, Ranks
 from trainer.information_gain import REFERENCE_KEY, gold_probabilities
 from trainer.tree_forward import forest_forward
 
@@ -130,21 +131,24 @@ class _Aux:
     values: torch.Tensor | None = None  # [A] critic values at each token's source
 
 
-def update(policy: Policy, batch: Batch, obj: Objective, version: int) -> dict[str, float]:
+def update(policy: Policy, batch: Batch, obj: Objective, version: int, ranks: Ranks = SINGLE) -> dict[str, float]:
+    """One update on `batch`; with several `ranks`, this rank forwards its share of each minibatch's groups
+    (trainer/distributed.py) and every rank gets the same advantages, gradients and step."""
     start = time.perf_counter()
-    plan = [[token_view(batch, micro) for micro in minibatch] for minibatch in _plan(batch, obj)]
+    plan = [[token_view(batch, micro) for micro in minibatch] for minibatch in _plan(batch, obj, ranks)]
     aux = [[_precompute(policy, view, obj) for view in minibatch] for minibatch in plan]
     gold = _gold_probabilities(policy, batch) if obj.advantage == "igpo" else None
-    advantages, returns, old_values = _advantages(batch, plan, aux, obj, gold)
+    advantages, returns, old_values = _advantages(batch, plan, aux, obj, gold, ranks,
+                                                  critic=policy.value_head is not None)
     targets = _Targets(advantages, returns, old_values, batch.outcome, batch.episode_group)
     stats: dict[str, list[float]] = defaultdict(list)
     if gold is not None:
         stats["gold_prob"].append(float(gold.mean()))
     for _ in range(obj.epochs):
         for views, auxes in zip(plan, aux):
-            _minibatch_step(policy, views, auxes, targets, obj, version, stats)
+            _minibatch_step(policy, views, auxes, targets, obj, version, stats, ranks)
     elapsed = time.perf_counter() - start
-    return _summary(batch, plan, targets.advantages, stats, obj, version, elapsed)
+    return _summary(batch, plan, targets.advantages, stats, obj, version, elapsed, ranks)
 
 
 def _gold_probabilities(policy: Policy, batch: Batch) -> torch.Tensor:
@@ -158,8 +162,9 @@ def _gold_probabilities(policy: Policy, batch: Batch) -> torch.Tensor:
         return gold_probabilities(policy.model, batch.contexts, golds)
 
 
-def _plan(batch: Batch, obj: Objective) -> list[list[list[int]]]:
-    """Episodes -> minibatches (whole groups each) -> micro-batches of at most micro_batch_episodes."""
+def _plan(batch: Batch, obj: Objective, ranks: Ranks = SINGLE) -> list[list[list[int]]]:
+    """Episodes -> minibatches (whole groups each) -> this rank's share of the minibatch's groups ->
+    micro-batches of at most micro_batch_episodes (a rank may have none in a minibatch)."""
     groups: dict[int, list[int]] = defaultdict(list)
     for e, g in enumerate(batch.episode_group.tolist()):
         groups[g].append(e)
@@ -167,7 +172,7 @@ def _plan(batch: Batch, obj: Objective) -> list[list[list[int]]]:
     keys = list(groups)
     plan = []
     for part in parts:
-        episodes = [e for i in part for e in groups[keys[i]]]
+        episodes = [e for i in ranks.share(part.tolist()) for e in groups[keys[i]]]
         plan.append([episodes[i : i + obj.micro_batch_episodes]
                      for i in range(0, len(episodes), obj.micro_batch_episodes)])
     return plan
@@ -195,18 +200,20 @@ def _first_tokens(step_ids: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(np.sort(first), device=step_ids.device)
 
 
-def _advantages(batch: Batch, plan, aux, obj: Objective, gold: torch.Tensor | None = None):
-    """Per-step advantages [S]; for the critic also returns [S] and the values before the update [S]."""
+def _advantages(batch: Batch, plan, aux, obj: Objective, gold: torch.Tensor | None = None, ranks: Ranks = SINGLE,
+                critic: bool = False):
+    """Per-step advantages [S]; for the critic also returns [S] and the values before the update [S]
+    (each rank reads the values of its own steps; summed over the ranks, every step has its value)."""
     if obj.mode == "sft":
         return None, None, None
     values = None
-    if any(a.values is not None for mb in aux for a in mb):
+    if critic:
         owned = torch.zeros(batch.num_steps)
         for views, auxes in zip(plan, aux):
             for view, a in zip(views, auxes):
                 first = _first_tokens(view.step_ids)
                 owned[view.step_ids[first]] = a.values[first.to(a.values.device)].float().cpu()
-        values = owned[batch.owner_rows()]
+        values = ranks.sum_tensor(owned)[batch.owner_rows()]
     inputs = batch.advantage_inputs(values, gold)
     advantages = ADVANTAGES[obj.advantage](inputs, **obj.advantage_args)
     if obj.imitation_coef > 0:
@@ -227,21 +234,35 @@ def _token_mask(view: TokenView, obj: Objective, version: int) -> torch.Tensor:
 
 
 def _minibatch_step(policy: Policy, views: list[TokenView], auxes: list[_Aux], targets: _Targets, obj: Objective,
-                    version: int, stats: dict[str, list[float]]) -> None:
+                    version: int, stats: dict[str, list[float]], ranks: Ranks = SINGLE) -> None:
     masks = [_token_mask(v, obj, version) for v in views]
-    ids = {k: torch.cat([getattr(v, k) for v in views]) for k in ("step_ids", "traj_ids", "episode_ids")}
-    units = count_units(torch.cat(masks), obj.aggregation, **ids)
-    value_units = sum(len(_first_tokens(v.step_ids)) for v in views)
+    units, value_units = _units(views, masks, obj, ranks)
     policy.optimizer.zero_grad(set_to_none=True)
     for view, aux, mask in zip(views, auxes, masks):
         loss = _micro_loss(policy, view, aux, mask, targets, obj, units, value_units, stats)
         if loss.requires_grad:
             loss.backward()
+    ranks.sum_gradients(policy.parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), obj.max_grad_norm)
     policy.optimizer.step()
     policy.scheduler.step()
     stats["grad_norm"].append(float(grad_norm))
     stats["lr"].append(policy.optimizer.param_groups[0]["lr"])
+
+
+def _units(views: list[TokenView], masks: list[torch.Tensor], obj: Objective, ranks: Ranks) -> tuple[int, int]:
+    """What the minibatch's losses divide by: its aggregation units and its steps with a value, over all ranks
+    (the ranks' episodes are disjoint, so their unit counts add up; token-sum divides by 1 on every rank)."""
+    if not views:
+        units, value_units = 0, 0
+    else:
+        ids = {k: torch.cat([getattr(v, k) for v in views]) for k in ("step_ids", "traj_ids", "episode_ids")}
+        units = count_units(torch.cat(masks), obj.aggregation, **ids)
+        value_units = sum(len(_first_tokens(v.step_ids)) for v in views)
+    if ranks.world == 1:
+        return units, value_units
+    total, total_values = ranks.sum([units, value_units])
+    return (1 if obj.aggregation == "token-sum" else int(total)), int(total_values)
 
 
 def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, targets: _Targets, obj: Objective,
@@ -328,10 +349,19 @@ def _record(stats: dict[str, list[float]], name: str, x: torch.Tensor, mask: tor
         stats[name + "_max"].append(float(sel.max()))
 
 
-def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int, elapsed: float) -> dict[str, float]:
-    forests = [view.forest for minibatch in plan for view in minibatch]
-    trained = sum(len(f.targets) for f in forests) * obj.epochs
-    packed, naive = sum(f.num_tokens for f in forests), sum(f.naive_tokens for f in forests)
+def _views(plan: list[list[TokenView]]) -> list[TokenView]:
+    return [view for minibatch in plan for view in minibatch]
+
+
+def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int, elapsed: float,
+             ranks: Ranks = SINGLE) -> dict[str, float]:
+    """The update's metrics: counts and throughput over all ranks; loss, ratio and token statistics from this
+    rank's share (`rank_episodes`: the episodes this rank forwarded in the first epoch)."""
+    forests = [view.forest for view in _views(plan)]
+    local = [sum(len(f.targets) for f in forests), sum(f.num_tokens for f in forests),
+             sum(f.naive_tokens for f in forests)]
+    targets, packed, naive = ranks.sum(local)
+    trained = targets * obj.epochs
     versions = torch.cat([f.weight_version for f in forests]) if forests else torch.zeros(0)
     out: dict[str, float] = {
         "episodes": len(batch.episodes), "groups": len(batch.group_ids), "steps": batch.num_steps,
@@ -339,6 +369,7 @@ def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int
         "forward_tokens_per_s": packed * obj.epochs / max(elapsed, 1e-9),
         "tree_token_saving": 1 - packed / naive if naive else 0.0, "update_seconds": elapsed,
         "reward_mean": float(batch.outcome.mean()) if len(batch.episodes) else math.nan,
+        "rank_episodes": sum(int(torch.unique(view.episode_ids).numel()) for view in _views(plan)),
     }
     if versions.numel():
         out["staleness_mean"] = float(version - versions.float().mean())

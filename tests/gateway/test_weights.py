@@ -127,3 +127,34 @@ async def test_a_call_still_on_its_way_when_the_engine_cuts_is_cut_in_the_next_r
     # the request arrives ("generate"), round 1 finds nothing running, round 2 ends the stream; then the update
     assert fake.events == ["generate", "pause", "resume", "pause", "resume", "pause", "update:1", "resume"]
     assert fake.aborted == 1
+
+
+async def test_an_engine_that_was_down_misses_the_update_and_loads_it_when_it_comes_back(http) -> None:
+    # engine b dies; the update goes to a alone; b restarts on the same address on its base weights (v0):
+    # the health check that finds it again first loads the gateway's current checkpoint into it
+    a_fake, b_fake = FakeEngine(), FakeEngine()
+    async with a_fake as a:
+        b = await b_fake.start()
+        router = EngineRouter([make_engine(u, "sglang", http, 5) for u in (a, b)])
+        gate = WeightGate(router)
+        await b_fake.stop()
+        await router.check_health()
+        assert [c.url for c in router.live()] == [a]
+        assert await gate.update_weights("/ckpt/1", 1) == 1
+        assert a_fake.events == ["pause", "update:1", "resume"]
+        back = FakeEngine()
+        await back.start(port=int(b.rsplit(":", 1)[1]))
+        try:
+            await router.check_health()
+            assert back.events == ["update:1"] and back.weight_version == 1
+            assert [c.url for c in router.live()] == [a, b]
+            await router.check_health()  # already on version 1: nothing loads again
+            assert back.events == ["update:1"]
+        finally:
+            await back.stop()
+        await router.check_health()
+        await a_fake.stop()
+        await router.check_health()
+        with pytest.raises(EngineError, match="no healthy engine"):
+            await gate.update_weights("/ckpt/2", 2)
+        assert gate.version == 1
