@@ -66,7 +66,7 @@ class Session:
     responses: dict[str, list] = field(default_factory=dict)  # Responses API: response id -> its conversation
     replay: Replay | None = None  # a fork on its way to its branch point (gateway/forks.py)
     # the runner's sampling for every call of this session (POST /sessions `sampling`), over the request's own
-    sampling: dict[str, float | int] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     def take_call_index(self) -> int:
         index = self.next_call
