@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sqlite3
 import sys
+from collections.abc import Sequence
 from typing import Protocol
 
 from datapool.records import CallRecord, EpisodeData, Group, LeafRule, Reward, SessionInfo, SessionTree
@@ -57,7 +58,9 @@ class Pool(Protocol):
         """Insert a batch atomically: each call extends its session's tree (cost ∝ new tokens)."""
     def add_reward(self, reward: Reward) -> None: ...
     def end_session(self, session_id: str, status: str = "completed") -> None: ...
-    def abandon_idle(self, idle_seconds: float) -> int: ...
+    def abandon_idle(self, idle_seconds: float, keep: Sequence[str] = ()) -> int:
+        """End as `abandoned` the open sessions created more than idle_seconds ago, except those in `keep`
+        (the caller's own, still live); returns how many."""
 
     # --- reads ---
     def get_session(self, session_id: str) -> SessionInfo: ...

@@ -16,6 +16,7 @@ not a `PoolError` either: a misconfigured token must not make the recorder drop 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -94,9 +95,9 @@ class PoolClient:
         self._write()
         self._call("end_session", session_id=session_id, status=status)
 
-    def abandon_idle(self, idle_seconds: float) -> int:
+    def abandon_idle(self, idle_seconds: float, keep: Sequence[str] = ()) -> int:
         self._write()
-        return int(self._call("abandon_idle", idle_seconds=idle_seconds))
+        return int(self._call("abandon_idle", idle_seconds=idle_seconds, keep=list(keep)))
 
     # --- reads ---
     def get_session(self, session_id: str) -> SessionInfo:

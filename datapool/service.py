@@ -86,7 +86,7 @@ def _methods(pool: Pool) -> dict[str, Callable[[dict], Any]]:
         "add_calls": lambda a: pool.add_calls([wire.decode_call(r) for r in a["records"]]),
         "add_reward": lambda a: pool.add_reward(wire.decode_reward(a["reward"])),
         "end_session": lambda a: pool.end_session(a["session_id"], a.get("status", "completed")),
-        "abandon_idle": lambda a: pool.abandon_idle(a["idle_seconds"]),
+        "abandon_idle": lambda a: pool.abandon_idle(a["idle_seconds"], _strings(a.get("keep", []))),
         "get_session": lambda a: pool.get_session(a["session_id"]),
         "list_sessions": lambda a: pool.list_sessions(a.get("status")),
         "get_tree": lambda a: pool.get_tree(a["session_id"]),
@@ -100,6 +100,12 @@ def _methods(pool: Pool) -> dict[str, Callable[[dict], Any]]:
         "release_groups": lambda a: pool.release_groups(list(a["group_ids"]), a["consumer"]),
         "claimed_groups": lambda a: pool.claimed_groups(a["consumer"]),
     }
+
+
+def _strings(value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise TypeError("expected a list of strings")
+    return value
 
 
 def _error(status: int, kind: str, message: str) -> web.Response:

@@ -342,14 +342,19 @@ class SqlPool:
             self._x(cur, "UPDATE sessions SET status = ?, ended_at = COALESCE(ended_at, ?) WHERE sid = ?",
                     (status, time.time(), sid))
 
-    def abandon_idle(self, idle_seconds: float) -> int:
-        """End as `abandoned` every open session created more than idle_seconds ago (the gateway's
-        reaper; a gateway that was killed left them open, unreachable). Returns how many."""
+    def abandon_idle(self, idle_seconds: float, keep: Sequence[str] = ()) -> int:
+        """End as `abandoned` every open session created more than idle_seconds ago but those in `keep` (the
+        gateway's reaper; a gateway that was killed left them open, unreachable). Returns how many."""
         self._writable()
+        spared = set(keep)
         with self._transaction(write=True) as cur:
             now = time.time()
-            return int(self._x(cur, "UPDATE sessions SET status = 'abandoned', ended_at = ?"
-                               " WHERE status = 'open' AND created_at < ?", (now, now - idle_seconds)).rowcount)
+            rows = self._x(cur, "SELECT sid, session_id FROM sessions WHERE status = 'open' AND created_at < ?"
+                           + self.dialect.lock_rows, (now - idle_seconds,)).fetchall()
+            orphans = [(now, int(sid)) for sid, session_id in rows if session_id not in spared]
+            cur.executemany(self.dialect.sql("UPDATE sessions SET status = 'abandoned', ended_at = ? WHERE sid = ?"),
+                            orphans)
+        return len(orphans)
 
     # --- reads ---
 

@@ -7,7 +7,9 @@ and an open member keeps its whole group from being claimed. So:
   `abandoned` (those a killed gateway left behind: nothing can reach them any more; with several
   gateways on one pool, keep the timeout above the longest episode);
 - every min(timeout / 4, 300) s, sessions of this gateway without a call for `session_idle_timeout` s
-  end as `abandoned` (through the recorder, after their queued calls; a later call gets 409).
+  end as `abandoned` (through the recorder, after their queued calls; a later call gets 409), and so do
+  the pool's open sessions that are not this gateway's and were created more than the timeout ago: the
+  orphans of a gateway killed after this one started, or too recently for the sweep at start.
 
 An abandoned session with a terminal reward still trains with its group; one without is left out.
 """
@@ -39,17 +41,23 @@ async def reap_once(core: Core) -> int:
     return len(idle)
 
 
-async def run(core: Core) -> None:
-    """The pool's orphans at start, then this gateway's idle sessions periodically, until cancelled."""
-    timeout = core.settings.session_idle_timeout
+async def abandon_orphans(core: Core) -> None:
+    """End as abandoned the pool's open sessions older than the timeout that this gateway does not serve."""
     try:
-        await core.recorder.abandon_idle(timeout)
+        await core.recorder.abandon_idle(core.settings.session_idle_timeout, keep=core.sessions.open_ids())
     except PoolError as exc:  # a read-only pool, say: nothing to sweep
         log.warning("abandoning the pool's orphaned sessions: %s", exc)
-    interval = min(timeout / 4, 300.0)
+
+
+async def run(core: Core) -> None:
+    """The pool's orphans at start, then this gateway's idle sessions and the pool's orphans periodically,
+    until cancelled."""
+    await abandon_orphans(core)
+    interval = min(core.settings.session_idle_timeout / 4, 300.0)
     while True:
+        await asyncio.sleep(interval)
         try:
             await reap_once(core)
+            await abandon_orphans(core)
         except Exception:  # noqa: BLE001 - the pool is down: the recorder retries; sweep again later
             log.exception("idle-session sweep failed")
-        await asyncio.sleep(interval)

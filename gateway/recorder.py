@@ -229,10 +229,10 @@ class Recorder:
     async def end_session(self, session_id: str, status: str) -> None:
         await self._submit("end", (session_id, status))
 
-    async def abandon_idle(self, idle_seconds: float) -> None:
-        """End as abandoned the pool's open sessions older than idle_seconds (ordered after every
-        record queued before, so none of their calls is still on its way)."""
-        await self._submit("abandon", idle_seconds)
+    async def abandon_idle(self, idle_seconds: float, keep: list[str] | None = None) -> None:
+        """End as abandoned the pool's open sessions older than idle_seconds but those in `keep` (ordered
+        after every record queued before, so none of their calls is still on its way)."""
+        await self._submit("abandon", (idle_seconds, keep or []))
 
     async def flush(self) -> None:
         """Wait until every record queued before this call is in the pool."""
@@ -386,7 +386,7 @@ class Recorder:
             elif head.kind == "end":
                 self.pool.end_session(*head.payload)
             elif head.kind == "abandon":
-                self.pool.abandon_idle(head.payload)
+                self.pool.abandon_idle(*head.payload)
         except PoolError as exc:  # refused: the waiting caller gets the error
             self._pop(1)
             _resolve(head.done, exc)

@@ -135,6 +135,10 @@ class SessionStore:
         cutoff = time.monotonic() - seconds
         return [s for s in self._by_id.values() if not s.ended and s.last_active < cutoff]
 
+    def open_ids(self) -> list[str]:
+        """Ids of this gateway's sessions not ended (live, whatever their age)."""
+        return [sid for sid, s in self._by_id.items() if not s.ended]
+
     def __len__(self) -> int:
         return len(self._by_id)
 

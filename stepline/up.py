@@ -164,6 +164,10 @@ Ctrl-C stops everything (the gateway flushes its records to the pool first).
 @click.option("--startup-timeout", default=180.0, show_default=True, help="Seconds each service may take to start.")
 @click.option("--dashboard-port", type=click.IntRange(0, 65535), default=None,
               help="Also serve `stepline dashboard` of the pool on 127.0.0.1 at this port (0: a free one).")
+@click.option("--session-idle-timeout", default=24 * 3600.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="The gateway's: open sessions without a call for this long end as abandoned, and at start "
+                   "the pool's open sessions created longer ago (those a killed `up` left behind).")
 def up_command(
     model_dir: Path,
     port: int,
@@ -176,6 +180,7 @@ def up_command(
     context_length: int | None,
     startup_timeout: float,
     dashboard_port: int | None,
+    session_idle_timeout: float,
 ) -> None:
     """Start engine, pool and gateway together and print how to point an agent at them."""
     logs = state_dir / "logs"
@@ -218,6 +223,8 @@ def up_command(
                     gateway_url.rsplit(":", 1)[1],
                     "--spill",
                     str(state_dir / "gateway.spill"),
+                    "--session-idle-timeout",
+                    str(session_idle_timeout),
                     *limit,
                 ],
                 logs,

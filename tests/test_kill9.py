@@ -5,7 +5,13 @@ Real processes on loopback: the fake engine (gateway.testing), the pool service 
 they got (status 200) names a call id, and after the crash and a restart on the same files each of
 those ids must be in the pool. Before the spill file, the report lost 4 of 4 (pool down, then the
 gateway killed) and 1 of 30 (`up --serve-pool` killed: its pool went first and the gateway dropped
-its queue)."""
+its queue).
+
+The slow tests (`pytest -m slow tests/test_kill9.py`) add the rest of issue 12's bar, one per process
+killed: no session stays open (orphans end as abandoned) and the trainer's side then gets every completed
+group exactly once. Gateway and pool service are killed under a running `stepline train` (which must ride
+out the pool's outage, trainer/claims.py); the whole `up --serve-pool` stack is killed at once and the
+claim API is asked after the next `up`."""
 
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=ENV)
 
 
-def healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 40.0) -> None:
+def healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:  # a loaded machine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()
@@ -180,23 +186,24 @@ def test_kill9_gateway_and_pool_service_lose_no_acknowledged_call(tiny_model_dir
     assert missing == set(), f"{len(missing)} of {len(acked)} acknowledged calls lost"
 
 
+def _up(model: Path, engine: str, state: Path, *extra: str) -> tuple[subprocess.Popen, str, str]:
+    """`stepline up --serve-pool` in front of the fake engine: the process, its gateway URL and what it printed."""
+    proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", "up", "--model", str(model), "--engine",
+                             engine, "--engine-kind", "sglang", "--serve-pool", "--port", "0", "--state-dir",
+                             str(state), "--admin-token", "adm", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+    text = ""
+    while "OPENAI_BASE_URL" not in text:
+        line = proc.stdout.readline()
+        assert line, f"up exited: {text}"
+        text += line
+    return proc, re.search(r"gateway\s+(http://\S+)", text).group(1), text
+
+
 def test_kill9_up_serve_pool_loses_no_acknowledged_call(tiny_model_dir: Path, tmp_path: Path) -> None:
     state = tmp_path / "state"
-
-    def up(engine: str) -> tuple[subprocess.Popen, str]:
-        proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", "up", "--model", str(tiny_model_dir),
-                                 "--engine", engine, "--engine-kind", "sglang", "--serve-pool", "--port", "0",
-                                 "--state-dir", str(state), "--admin-token", "adm"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
-        text = ""
-        while "OPENAI_BASE_URL" not in text:
-            line = proc.stdout.readline()
-            assert line, f"up exited: {text}"
-            text += line
-        return proc, re.search(r"gateway\s+(http://\S+)", text).group(1)
-
     with fake_engine(tmp_path) as engine:
-        proc, url = up(engine)
+        proc, url, _ = _up(tiny_model_dir, engine, state)
         children = _children(proc.pid)
         stream = Stream(url)
         time.sleep(2.0)
@@ -205,7 +212,7 @@ def test_kill9_up_serve_pool_loses_no_acknowledged_call(tiny_model_dir: Path, tm
         for pid in children:
             _wait_gone(pid, 40)
         stream.stop()
-        again, _ = up(engine)  # the next `up` on the same state dir writes what was spilled
+        again, _, _ = _up(tiny_model_dir, engine, state)  # the next `up` on the same state dir writes what was spilled
         try:
             missing = wait_recorded(state / "pool.db", stream.acked)
         finally:
@@ -306,6 +313,7 @@ def test_kill9_gateway_mid_job_orphans_are_abandoned_and_every_group_trains_once
             _, gw = gateway(engine, "--session-idle-timeout", "2")
             procs.append(gw)
             assert trainer.wait(240) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+            missing = wait_recorded(db, stream.acked)
         finally:
             for proc in procs:
                 proc.kill()
@@ -323,3 +331,172 @@ def test_kill9_gateway_mid_job_orphans_are_abandoned_and_every_group_trains_once
     finally:
         pool.close()
     assert stats["groups_consumed"] == 4 and stats["groups_claimed"] == 0
+    assert missing == set(), f"{len(missing)} of {len(stream.acked)} acknowledged calls lost"
+    print(f"\ngateway kill -9 mid-job: {len(stream.acked)} acknowledged calls of the orphans, all found;"
+          f" 4 groups completed, 4 trained once ({len(trained)} sessions)")
+
+
+def _trainer_job(tmp_path: Path, model: Path, pool_url: str, updates: int) -> subprocess.Popen:
+    """`stepline train` on one group per update (cwd tmp_path, its output in tmp_path/run)."""
+    job = tmp_path / "job.toml"
+    job.write_text(f'[trainer]\nmodel_dir = "{model}"\noutput_dir = "run"\ngroups_per_update = 1\n'
+                   f'max_updates = {updates}\ncheckpoint_every = 1\nmax_staleness = 100\nidle_timeout = 120\n'
+                   'poll_interval = 0.2\nprogress = false\ntensorboard = false\ndynamic_sampling = false\n'
+                   f'[pool]\nurl = "{pool_url}"\n')
+    with (tmp_path / "trainer.log").open("wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "stepline.cli", "train", str(job)], cwd=tmp_path,
+                                env={**ENV, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _trained(tmp_path: Path) -> tuple[dict, list[str]]:
+    """The trainer's final state and the sessions it trained, sorted."""
+    final = json.loads((latest_checkpoint(tmp_path / "run" / "checkpoints") / "state.json").read_text())
+    return final, sorted(sid for members in final["consumed"].values() for sid in members)
+
+
+def _wait_updates(tmp_path: Path, trainer: subprocess.Popen, n: int, timeout: float = 240.0) -> None:
+    """Until the trainer has logged n updates (its metrics file, one line per update)."""
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+        assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "trainer.log").read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def _pool_stats(db: Path) -> dict[str, int]:
+    pool = open_pool(f"sqlite:///{db}")
+    try:
+        return pool.stats()
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow  # about a minute: a trainer beside a gateway and two pool-service starts
+def test_kill9_pool_service_mid_job_loses_nothing_and_every_group_trains_once(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The pool service dies (-9) while harnesses call, end their sessions and a trainer claims: the gateway
+    answers from its spill file meanwhile, rewards and ends wait; after a restart on the same file every
+    acknowledged call is in the pool, every session ended, and the trainer, never restarted, trains each of
+    the 4 groups exactly once."""
+    db, spill = tmp_path / "pool.db", tmp_path / "gateway.spill"
+    pool_url = f"http://127.0.0.1:{free_port()}"
+
+    def pool_service() -> subprocess.Popen:
+        proc = spawn(["stepline.cli", "pool", "serve", "--db", f"sqlite:///{db}", "--port",
+                      pool_url.rsplit(":", 1)[1]], tmp_path / "pool.log")
+        healthy(pool_url, proc, tmp_path / "pool.log")
+        return proc
+
+    procs: list[subprocess.Popen] = []
+    with fake_engine(tmp_path) as engine:
+        try:
+            procs.append(pool := pool_service())
+            url = f"http://127.0.0.1:{free_port()}"
+            procs.append(gw := spawn(["stepline.cli", "gateway", "--engine", engine, "--engine-kind", "sglang",
+                                      "--model", str(tiny_model_dir), "--pool", pool_url, "--port",
+                                      url.rsplit(":", 1)[1], "--spill", str(spill)], tmp_path / "gateway.log"))
+            healthy(url, gw, tmp_path / "gateway.log")
+            s = {f"{task}{m}": open_session(url, task) for task in ("t0", "t1", "t2", "t3") for m in "ab"}
+            ids = {name: session["session_id"] for name, session in s.items()}
+            procs.append(trainer := _trainer_job(tmp_path, tiny_model_dir, pool_url, updates=4))
+            stream = Stream(url, opened=[s["t2b"], s["t3a"], s["t3b"]])
+            for name in ("t0a", "t0b", "t1a", "t1b"):
+                _play(s[name], reward=1.0 if name.endswith("a") else 0.0, end=True)
+            _wait_updates(tmp_path, trainer, 1)  # the trainer is past its start, claiming every 0.2 s
+            pool.kill()
+            # during the outage: a call answered from the spill file, its reward and end waiting for the pool
+            during = threading.Thread(target=_play, args=(s["t2a"], 1.0, True))
+            during.start()
+            time.sleep(3.0)
+            assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
+            assert spill.stat().st_size > 0  # the outage's calls are waiting there
+            procs.append(pool_service())
+            during.join(60)
+            stream.stop()
+            for name in ("t2b", "t3a", "t3b"):
+                _play(s[name], reward=float(name.endswith("a")), end=True)
+            assert trainer.wait(240) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+            missing = wait_recorded(db, stream.acked)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    assert len(stream.acked) > 20 and missing == set(), f"{len(missing)} of {len(stream.acked)} acknowledged lost"
+    assert set(_statuses(db).values()) == {"completed"}
+    final, trained = _trained(tmp_path)
+    assert final["update"] == 4 and len(final["consumed"]) == 4 and final["unacked"] == []
+    assert trained == sorted(ids.values())  # 8 sessions in 4 groups, each trained once
+    stats = _pool_stats(db)
+    assert stats["groups_consumed"] == 4 and stats["groups_claimed"] == 0
+    print(f"\npool service kill -9 mid-job: {len(stream.acked)} calls acknowledged, all found; 4 groups completed,"
+          f" 4 trained once ({len(trained)} sessions); trainer outages waited out:"
+          f" {(tmp_path / 'trainer.log').read_text().count('pool unavailable')}")
+
+
+@pytest.mark.slow  # under a minute: two `up` starts
+def test_kill9_whole_up_serve_pool_stack_loses_nothing_and_every_group_is_claimed_once(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`up --serve-pool`, its pool service and its gateway all killed with -9 at once (no SIGTERM, no flush)
+    while harnesses call, with two sessions mid-episode; the next `up` on the same state dir
+    (`--session-idle-timeout 2`) writes what was spilled, abandons the orphans, and the trainer's claim API
+    then hands out each completed group once: every member that ended or was rewarded, nothing twice."""
+    state = tmp_path / "state"
+    with fake_engine(tmp_path) as engine:
+        proc, url, _ = _up(tiny_model_dir, engine, state)
+        stack = [*_children(proc.pid), proc.pid]
+        s = {f"{task}{m}": open_session(url, task) for task in ("t0", "t1", "t2") for m in "ab"}
+        ids = {name: session["session_id"] for name, session in s.items()}
+        stream = Stream(url, opened=[s["t1b"], s["t2b"]])
+        for name in ("t0a", "t0b", "t1a", "t2a"):
+            _play(s[name], reward=float(name.endswith("a")), end=True)
+        _play(s["t1b"], reward=1.0, end=False)  # rewarded, never ended: abandoned, still trains
+        time.sleep(1.0)
+        for pid in stack:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        for pid in stack[:-1]:
+            _wait_gone(pid, 40)
+        stream.stop()
+        before = _statuses(state / "pool.db")  # the killed stack's sessions, its own "manual" one too
+        assert before[ids["t1b"]] == before[ids["t2b"]] == "open"
+        time.sleep(2.0)  # older than the next gateway's idle timeout
+        again, _, text = _up(tiny_model_dir, engine, state, "--session-idle-timeout", "2")
+        try:
+            missing = wait_recorded(state / "pool.db", stream.acked)
+            statuses = _wait_statuses(state / "pool.db", set(before))
+            groups = _claim_all(state / "pool.db")
+        finally:
+            again.send_signal(signal.SIGINT)
+            again.wait(60)
+    assert len(stream.acked) > 10 and missing == set(), f"{len(missing)} of {len(stream.acked)} acknowledged lost"
+    fresh = re.search(r"OPENAI_BASE_URL=\S*/s/([^/\s]+)/v1", text).group(1)  # the next `up`'s own, live session
+    assert [sid for sid, status in statuses.items() if status == "open"] == [fresh]
+    assert statuses[ids["t1b"]] == statuses[ids["t2b"]] == "abandoned"
+    # 3 groups once each; the abandoned t2b had no reward, so t2 is t2a alone; a second claim gets nothing
+    expected = [[ids["t0a"], ids["t0b"]], [ids["t1a"], ids["t1b"]], [ids["t2a"]]]
+    assert sorted(sorted(g) for g in groups[0]) == sorted(sorted(g) for g in expected)
+    assert groups[1] == []
+    print(f"\nup --serve-pool stack kill -9: {len(stream.acked)} calls acknowledged, all found; 3 groups completed,"
+          f" 3 claimed once ({sum(map(len, groups[0]))} sessions)")
+
+
+def _wait_statuses(db: Path, sessions: set[str], timeout: float = 20.0) -> dict[str, str]:
+    """Statuses once none of `sessions` is open any more (the next gateway abandons at start), or at timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = _statuses(db)
+        if all(statuses[sid] != "open" for sid in sessions) or time.monotonic() > deadline:
+            return statuses
+        time.sleep(0.2)
+
+
+def _claim_all(db: Path) -> tuple[list[list[str]], list[list[str]]]:
+    """The trainer's side of the pool: claim every ready group, mark it consumed, then claim again."""
+    pool = open_pool(f"sqlite:///{db}")
+    try:
+        first = pool.claim_groups("trainer", min_version=0, max_groups=100)
+        pool.mark_consumed([g.group_id for g in first], "trainer")
+        second = pool.claim_groups("trainer", min_version=0, max_groups=100)
+    finally:
+        pool.close()
+    return ([[e.info.session_id for e in g.episodes] for g in first],
+            [[e.info.session_id for e in g.episodes] for g in second])

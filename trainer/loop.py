@@ -3,7 +3,8 @@
 Rollouts and training overlap: the loop only *consumes* from the pool while harnesses keep producing
 into it through the gateway. The staleness bound decides how far the policy may run ahead of the data:
 a group is claimed only if all its action tokens were sampled by a version >= current - max_staleness
-(older groups are marked stale by the pool and never trained).
+(older groups are marked stale by the pool and never trained). A pool that goes away (its service killed
+or restarted) is waited out: no groups meanwhile, consumes sent again later (trainer.claims).
 
     state = train(cfg, pool, sync)                 # until max_updates, idle_timeout, or an empty pool
     state = train(cfg, pool, sync, ranks=ranks)    # rank 0 of N data-parallel ranks; the others run
@@ -26,6 +27,7 @@ from datapool.base import Pool
 from datapool.records import Group
 from trainer.batch import build_batch, episode_filter, group_filter, shaping
 from trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.claims import Claims, release_unknown
 from trainer.config import TrainerConfig
 from trainer.critic import ValueHead
 from trainer.distributed import SINGLE, Ranks, rank_report
@@ -85,6 +87,7 @@ def _train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool,
     seed_everything(cfg.seed)
     policy = build_policy(cfg)
     state = resume(cfg.output_dir / "checkpoints", policy, pool, cfg.consumer)
+    claims = Claims(pool, cfg.consumer)  # a pool outage is waited out, not a reason to stop
     if state.version > 0:
         push_weights(cfg, policy, sync, state.version)  # engines may have restarted on the base weights
     idle_since = time.monotonic()
@@ -97,7 +100,7 @@ def _train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool,
         bar.update(0, completed=state.update)
         while cfg.max_updates is None or state.update < cfg.max_updates:
             trainable = sum(keep(g) is None for g in pending)
-            groups = claim(pool, cfg, state, offline, cfg.groups_per_update - trainable)
+            groups = claim(claims, cfg, state, pending, offline, cfg.groups_per_update - trainable)
             if groups:
                 idle_since = time.monotonic()
                 pending += groups
@@ -127,11 +130,11 @@ def _train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool,
             if state.update % cfg.push_every == 0:
                 push_weights(cfg, policy, sync, state.version)
             if state.update % cfg.checkpoint_every == 0:
-                checkpoint(cfg, policy, state, pool)
+                checkpoint(cfg, policy, state, claims)
             log.write(state.update, metrics)
             bar.update(0, advance=1, description=f"reward {metrics['reward_mean']:.3f}  "
                                                   f"{metrics['tokens_per_s']:.0f} tok/s")
-    checkpoint(cfg, policy, state, pool)
+    checkpoint(cfg, policy, state, claims)
     return state, policy, forwarded
 
 
@@ -195,17 +198,18 @@ def resume(root: Path, policy: Policy, pool: Pool, consumer: str) -> TrainerStat
         state = load_checkpoint(path, policy.model, policy.optimizer, policy.scheduler, policy.value_head)
     if state.unacked:
         pool.mark_consumed(state.unacked, consumer)
-    lost = [g for g in pool.claimed_groups(consumer) if g not in state.consumed]
-    if lost:
-        pool.release_groups(lost, consumer)
+    release_unknown(pool, consumer, state.consumed)
     return state
 
 
-def claim(pool: Pool, cfg: TrainerConfig, state: TrainerState, offline: bool, wanted: int) -> list[Group]:
+def claim(claims: Claims, cfg: TrainerConfig, state: TrainerState, pending: list[Group], offline: bool,
+          wanted: int) -> list[Group]:
+    """Up to `wanted` ready groups ([] while the pool is unavailable)."""
     # offline replay trains on stored data of any age; online, the staleness bound applies
     min_version = -(2**31) if offline else state.version - cfg.max_staleness
-    return pool.claim_groups(cfg.consumer, min_version=min_version, max_groups=max(wanted, 1),
-                             group_size=cfg.group_size, leaf_rule=cfg.leaf_rule)
+    known = {*state.consumed, *(g.group_id for g in pending)}
+    return claims.claim(known, min_version=min_version, max_groups=max(wanted, 1), group_size=cfg.group_size,
+                        leaf_rule=cfg.leaf_rule)
 
 
 def idle_too_long(since: float, timeout: float | None) -> bool:
@@ -239,11 +243,11 @@ def push_weights(cfg: TrainerConfig, policy: Policy, sync: WeightSync, version: 
     sync.push(path, version)
 
 
-def checkpoint(cfg: TrainerConfig, policy: Policy, state: TrainerState, pool: Pool) -> None:
-    """Model and `consumed` land on disk together; only then does the pool hear that the groups are consumed."""
+def checkpoint(cfg: TrainerConfig, policy: Policy, state: TrainerState, claims: Claims) -> None:
+    """Model and `consumed` land on disk together; only then does the pool hear that the groups are consumed
+    (with the pool unavailable they stay in `unacked`, sent with the next checkpoint or by the restart)."""
     save_checkpoint(cfg.output_dir / "checkpoints", state, policy.model, policy.optimizer, policy.scheduler,
                     policy.value_head)
-    if state.unacked:
-        pool.mark_consumed(state.unacked, cfg.consumer)
+    if state.unacked and claims.mark_consumed(state.unacked):
         state.unacked = []
 

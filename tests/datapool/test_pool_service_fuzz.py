@@ -52,7 +52,7 @@ ARGS = {
     "add_reward": fields({"reward": fields({"session_id": SESSION_ID, "value": st.floats() | VALUE,
                                             "step": st.none() | st.integers(-2, 3) | VALUE}) | VALUE}),
     "end_session": fields({"session_id": SESSION_ID, "status": st.sampled_from(["completed", "failed", "x"]) | VALUE}),
-    "abandon_idle": fields({"idle_seconds": st.floats() | VALUE}),
+    "abandon_idle": fields({"idle_seconds": st.floats() | VALUE, "keep": GROUPS}),
     "get_session": fields({"session_id": SESSION_ID}),
     "list_sessions": fields({"status": st.none() | st.sampled_from(["open", "x"]) | VALUE}),
     "get_tree": fields({"session_id": SESSION_ID}),

@@ -35,10 +35,11 @@ def test_an_orphaned_open_session_no_longer_blocks_its_group(tmp_path: Path) -> 
         _episode(pool, "done-2", now - 5000, 0.0, "completed")
         _episode(pool, "orphan", now - 5000, None, None)  # its gateway was killed: open forever
         _episode(pool, "young", now, None, None, task="other")  # another group, still running
+        _episode(pool, "live", now - 5000, None, None, task="third")  # old, but its gateway still serves it
         assert pool.claim_groups("t", 0, 10) == []
-        assert pool.abandon_idle(3600) == 1
+        assert pool.abandon_idle(3600, keep=["live"]) == 1
         assert pool.get_session("orphan").status == "abandoned"
-        assert pool.get_session("young").status == "open"
+        assert pool.get_session("young").status == pool.get_session("live").status == "open"
         (group,) = pool.claim_groups("t", 0, 10)
         assert sorted(e.info.session_id for e in group.episodes) == ["done-1", "done-2"]  # no reward: left out
     finally:
@@ -64,3 +65,21 @@ async def test_the_gateway_abandons_its_idle_sessions_and_the_orphans_of_a_kille
             assert late.status_code == 409  # ended: a later call is refused, not half-recorded
         assert served.pool.get_session("orphan").status == "abandoned"
         assert len(served.calls(s["session_id"])) == 1
+
+
+async def test_a_running_gateway_abandons_orphans_left_after_its_start_but_not_its_own_live_sessions(
+        qwen3_model_dir: Path, tmp_path: Path) -> None:
+    # An orphan that appears after the sweep at start (a second gateway on the pool killed later, or killed
+    # too recently for that sweep) is abandoned by a later sweep; this gateway's own session, older than the
+    # timeout by creation but calling all along, stays open.
+    engine = fake_engine(tokenizer(qwen3_model_dir), [])
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path, session_idle_timeout=1.0) as served:
+        s = await served.session()
+        await asyncio.sleep(0.5)  # past the sweep at start
+        _episode(served.pool, "late-orphan", time.time() - 5000, 1.0, None)
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {s['api_key']}"}) as c:
+            for _ in range(10):  # 2 s of calls every 0.2 s: older than the timeout, never idle for it
+                assert (await c.post(f"{s['openai_base_url']}/chat/completions", json=CHAT)).status_code == 200
+                await asyncio.sleep(0.2)
+            assert served.pool.get_session("late-orphan").status == "abandoned"
+            assert served.pool.get_session(s["session_id"]).status == "open"
