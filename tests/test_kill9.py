@@ -128,15 +128,17 @@ def fake_engine(tmp_path: Path) -> Iterator[str]:
         proc.wait()
 
 
+def pool_service(db: Path, pool_url: str, tmp_path: Path) -> subprocess.Popen:
+    """`stepline pool serve` on the SQLite file `db` at `pool_url`, once healthy."""
+    proc = spawn(["stepline.cli", "pool", "serve", "--db", f"sqlite:///{db}", "--port",
+                  pool_url.rsplit(":", 1)[1]], tmp_path / "pool.log")
+    healthy(pool_url, proc, tmp_path / "pool.log")
+    return proc
+
+
 def test_kill9_gateway_and_pool_service_lose_no_acknowledged_call(tiny_model_dir: Path, tmp_path: Path) -> None:
     db, spill = tmp_path / "pool.db", tmp_path / "gateway.spill"
     pool_url = f"http://127.0.0.1:{free_port()}"
-
-    def pool_service() -> subprocess.Popen:
-        proc = spawn(["stepline.cli", "pool", "serve", "--db", f"sqlite:///{db}", "--port",
-                      pool_url.rsplit(":", 1)[1]], tmp_path / "pool.log")
-        healthy(pool_url, proc, tmp_path / "pool.log")
-        return proc
 
     def gateway(engine: str) -> tuple[str, subprocess.Popen]:
         url = f"http://127.0.0.1:{free_port()}"
@@ -148,7 +150,7 @@ def test_kill9_gateway_and_pool_service_lose_no_acknowledged_call(tiny_model_dir
 
     acked: set[str] = set()
     with fake_engine(tmp_path) as engine:
-        pool = pool_service()
+        pool = pool_service(db, pool_url, tmp_path)
         procs = [pool]
         try:
             # 1. the pool is up; the gateway is killed while calls are in flight
@@ -173,7 +175,7 @@ def test_kill9_gateway_and_pool_service_lose_no_acknowledged_call(tiny_model_dir
             acked |= outage
             assert spill.stat().st_size > 0  # the calls of the outage are waiting there
             # 3. both come back: the new gateway replays the spill file into the pool
-            pool = pool_service()
+            pool = pool_service(db, pool_url, tmp_path)
             procs.append(pool)
             _, gw = gateway(engine)
             procs.append(gw)
@@ -380,16 +382,10 @@ def test_kill9_pool_service_mid_job_loses_nothing_and_every_group_trains_once(
     db, spill = tmp_path / "pool.db", tmp_path / "gateway.spill"
     pool_url = f"http://127.0.0.1:{free_port()}"
 
-    def pool_service() -> subprocess.Popen:
-        proc = spawn(["stepline.cli", "pool", "serve", "--db", f"sqlite:///{db}", "--port",
-                      pool_url.rsplit(":", 1)[1]], tmp_path / "pool.log")
-        healthy(pool_url, proc, tmp_path / "pool.log")
-        return proc
-
     procs: list[subprocess.Popen] = []
     with fake_engine(tmp_path) as engine:
         try:
-            procs.append(pool := pool_service())
+            procs.append(pool := pool_service(db, pool_url, tmp_path))
             url = f"http://127.0.0.1:{free_port()}"
             procs.append(gw := spawn(["stepline.cli", "gateway", "--engine", engine, "--engine-kind", "sglang",
                                       "--model", str(tiny_model_dir), "--pool", pool_url, "--port",
@@ -409,7 +405,7 @@ def test_kill9_pool_service_mid_job_loses_nothing_and_every_group_trains_once(
             time.sleep(3.0)
             assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
             assert spill.stat().st_size > 0  # the outage's calls are waiting there
-            procs.append(pool_service())
+            procs.append(pool_service(db, pool_url, tmp_path))
             during.join(60)
             stream.stop()
             for name in ("t2b", "t3a", "t3b"):
