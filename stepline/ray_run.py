@@ -31,12 +31,10 @@ import click
 from stepline.job import JobConfig, JobError, PartResources
 from stepline.run import (
     RunDir,
-    build_base_model,
     engine_argv,
     evaluate_once,
     save_rollouts,
-    trainer_configs,
-    warm_start,
+    warm_started,
     write_summary,
 )
 
@@ -63,15 +61,7 @@ def run_ray_job(cfg: JobConfig, address: str | None) -> dict[str, Any]:
     pool_url = cfg.cluster.pool_url or os.environ.get("STEPLINE_PG_URL")
     if not pool_url or not pool_url.startswith("postgresql://"):
         raise JobError("stepline run --ray needs a PostgreSQL pool: set cluster.pool_url or STEPLINE_PG_URL")
-    run = RunDir(cfg.run_dir)
-    for path in (run.root, run.logs, run.root / "eval"):
-        path.mkdir(parents=True, exist_ok=True)
-    (run.root / "job.json").write_text(cfg.model_dump_json(indent=1))
-    with run.phase("model"):
-        base = build_base_model(cfg, run)
-    sft_cfg, rl_cfg = trainer_configs(cfg, run, base)
-    with run.phase("sft"):
-        policy = warm_start(cfg, run, base, sft_cfg)
+    run, rl_cfg, policy = warm_started(cfg)
     ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": str(_ROOT)}}, log_to_driver=False,
              namespace=cfg.cluster.namespace)
     token = secrets.token_urlsafe(16)

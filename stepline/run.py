@@ -66,15 +66,7 @@ class RunDir:
 
 def run_job(cfg: JobConfig) -> dict[str, Any]:
     """The main job; returns the summary (also written to run_dir/summary.json)."""
-    run = RunDir(cfg.run_dir)
-    for path in (run.root, run.logs, run.root / "eval"):
-        path.mkdir(parents=True, exist_ok=True)
-    (run.root / "job.json").write_text(cfg.model_dump_json(indent=1))
-    with run.phase("model"):
-        base = build_base_model(cfg, run)
-    sft_cfg, rl_cfg = trainer_configs(cfg, run, base)  # checked before anything long starts
-    with run.phase("sft"):
-        policy = warm_start(cfg, run, base, sft_cfg)
+    run, rl_cfg, policy = warm_started(cfg)
     token = secrets.token_urlsafe(16)
     with services(cfg, run, policy, token) as gateway_url:
         rl_cfg = rl_cfg.model_copy(update={"model_dir": policy, "gateway_url": gateway_url, "admin_token": token})
@@ -85,6 +77,21 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
         with run.phase("eval_after"):
             evaluate_once(cfg, run, gateway_url, token, f"after-{cfg.rl_updates}")
     return write_summary(cfg, run)
+
+
+def warm_started(cfg: JobConfig) -> tuple[RunDir, TrainerConfig, Path]:
+    """The phases every form of the job (local, Ray) begins with: the run directory, the base model, both trainer
+    configs checked before anything long starts, the SFT warm start. Returns (run, RL config, SFT policy)."""
+    run = RunDir(cfg.run_dir)
+    for path in (run.root, run.logs, run.root / "eval"):
+        path.mkdir(parents=True, exist_ok=True)
+    (run.root / "job.json").write_text(cfg.model_dump_json(indent=1))
+    with run.phase("model"):
+        base = build_base_model(cfg, run)
+    sft_cfg, rl_cfg = trainer_configs(cfg, run, base)
+    with run.phase("sft"):
+        policy = warm_start(cfg, run, base, sft_cfg)
+    return run, rl_cfg, policy
 
 
 def trainer_configs(cfg: JobConfig, run: RunDir, base: Path):
