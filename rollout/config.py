@@ -60,6 +60,8 @@ class HarnessSpec(BaseModel):
     verify_command: str | None = Field(None, description="external verifier (prints a JSON line with reward)")
     tasks: list[str] | None = Field(None, description="task ids (default: the module's tasks command)")
     weight: float = Field(1.0, gt=0, description="relative share of groups drawn from this harness")
+    group_size: int | None = Field(None, ge=1, description="sessions per task of this harness (None: the rollout's "
+                                   "group_size); larger groups find a success on hard tasks more often")
     split: Literal["train", "test"] = Field("train", description="task split used for training rollouts")
     max_turns: int | None = Field(None, ge=1, description="--max-turns passed to a module harness")
     max_tokens: int | None = Field(None, ge=1, le=4096, description="--max-tokens passed to a module harness")

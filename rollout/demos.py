@@ -13,6 +13,7 @@ import asyncio
 import json
 import random
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,9 @@ async def _expert_episode(spec: HarnessSpec, task_id: str, work: Path) -> tuple[
 
 
 async def expert_episodes(specs: list[HarnessSpec], per_harness: int, concurrency: int, work: Path,
-                          seed: int) -> list[Demonstration]:
-    """`per_harness` expert episodes of each module harness (a seeded sample of its train split), at most
-    `concurrency` at a time, played under `work`."""
+                          seed: int, counts: Mapping[str, int] | None = None) -> list[Demonstration]:
+    """`per_harness` expert episodes of each module harness (`counts[name]` where given), a seeded sample of
+    its train split, at most `concurrency` at a time, played under `work`."""
     gate = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
 
@@ -55,5 +56,6 @@ async def expert_episodes(specs: list[HarnessSpec], per_harness: int, concurrenc
     jobs = []
     for spec in specs:  # a seeded sample of the train split: task lists are ordered by kind and entity
         tasks = await asyncio.to_thread(list_tasks, spec, "train")
-        jobs += [one(spec, task) for task in rng.sample(tasks, min(per_harness, len(tasks)))]
+        wanted = (counts or {}).get(spec.name, per_harness)
+        jobs += [one(spec, task) for task in rng.sample(tasks, min(wanted, len(tasks)))]
     return list(await asyncio.gather(*jobs))

@@ -345,7 +345,7 @@ class RolloutDriver:
         metadata = {**metadata, **await self._reference(spec, task_id, metadata.get("split", spec.split))}
         if spec.tree_search is not None and group_size is None:
             return await trees.run_tree_group(self, spec, task_id, spec.tree_search, group_id, metadata)
-        size = group_size or self.config.group_size
+        size = group_size or spec.group_size or self.config.group_size
         return list(await asyncio.gather(*(self.run_episode(spec, task_id, group_id, metadata) for _ in range(size))))
 
     async def _reference(self, spec: HarnessSpec, task_id: str, split: str) -> dict[str, str]:

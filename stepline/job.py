@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -60,6 +60,8 @@ class ModelSection(_Section):
 
 class SFTSection(_Section):
     demos_per_harness: int = Field(16, ge=0, description="expert demonstrations per harness (0: no warm start)")
+    demos: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, description="demonstrations of the named harnesses instead, e.g. {ui = 32}")
     trainer: dict[str, Any] = Field(default_factory=dict, description="TrainerConfig overrides for the SFT pass")
 
 
@@ -85,6 +87,8 @@ class ServicesSection(_Section):
 
 class EvalSection(_Section):
     limit: int | None = Field(30, ge=1, description="test tasks per harness (None: the whole test split)")
+    concurrency: int | None = Field(None, ge=1, description="test episodes running at once (None: the rollouts' "
+                                    "max_concurrency); no trainer runs meanwhile, so the engine can batch more")
     every: int | None = Field(None, ge=1, description="also evaluate every k RL updates (None: before and after)")
     temperature: float | None = Field(None, ge=0, le=2, description="sampling temperature of the test episodes "
                                       "(0: greedy; None: the rollouts', [rollout] temperature)")
@@ -145,6 +149,13 @@ class JobConfig(_Section):
         if svc.engine_url is None and svc.engine_kind == "vllm" and model.dir is None and not model.vllm_compatible:
             raise ValueError("model.vllm_compatible: the job starts vLLM on the model it builds, so build one vLLM "
                              "can serve and reload in place (vllm_compatible = true)")
+        return self
+
+    @model_validator(mode="after")
+    def _demos_of_known_harnesses(self) -> JobConfig:
+        unknown = sorted(set(self.sft.demos) - {h.name for h in self.rollout.harnesses})
+        if unknown:
+            raise ValueError(f"sft.demos: no harness named {', '.join(map(repr, unknown))} in [[rollout.harnesses]]")
         return self
 
 

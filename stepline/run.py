@@ -28,6 +28,7 @@ import click
 from stepline.job import JobConfig, JobError, ServicesSection, load_job
 
 if TYPE_CHECKING:
+    from rollout.config import RolloutConfig
     from stepline.up import Child
     from trainer.config import TrainerConfig
 
@@ -105,7 +106,7 @@ def trainer_configs(cfg: JobConfig, run: RunDir, base: Path):
                         "output_dir": run.sft / "train"},
         "trainer": {"seed": cfg.seed, "checkpoint_every": 1, "idle_timeout": 10.0, **cfg.trainer, "mode": "rl",
                     "progress": False, "model_dir": base, "output_dir": run.rl,
-                    "max_updates": max(cfg.rl_updates, 1), "group_size": cfg.rollout.group_size},
+                    "max_updates": max(cfg.rl_updates, 1), "group_size": smallest_group(cfg.rollout)},
     }
     configs = []
     for name, table in tables.items():
@@ -115,6 +116,11 @@ def trainer_configs(cfg: JobConfig, run: RunDir, base: Path):
             fields = "; ".join(f"{name}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise JobError(f"invalid job: {fields}") from exc
     return configs
+
+
+def smallest_group(rollout: RolloutConfig) -> int:
+    """The fewest sessions a group of this job has: the trainer's minimum group size."""
+    return min([h.group_size or rollout.group_size for h in rollout.harnesses], default=rollout.group_size)
 
 
 def build_base_model(cfg: JobConfig, run: RunDir) -> Path:
@@ -137,7 +143,7 @@ def warm_start(cfg: JobConfig, run: RunDir, base: Path, sft: TrainerConfig) -> P
     from trainer.loop import train
     from trainer.weight_sync import NoWeightSync, saved_weights
 
-    if cfg.sft.demos_per_harness == 0:
+    if cfg.sft.demos_per_harness == 0 and not any(cfg.sft.demos.values()):
         return base
     if (run.sft_model / "config.json").is_file():
         return run.sft_model
@@ -145,7 +151,8 @@ def warm_start(cfg: JobConfig, run: RunDir, base: Path, sft: TrainerConfig) -> P
     pool = open_pool(f"sqlite:///{run.sft / 'demos.db'}")
     try:
         if not pool.stats()["sessions"]:
-            written = collect_demos(pool, base, cfg.rollout.harnesses, cfg.sft.demos_per_harness, seed=cfg.seed)
+            written = collect_demos(pool, base, cfg.rollout.harnesses, cfg.sft.demos_per_harness, seed=cfg.seed,
+                                    counts=cfg.sft.demos)
             click.echo(f"expert demonstrations: {written}")
         state = train(sft, pool, NoWeightSync(), offline=True)
     finally:
@@ -230,7 +237,8 @@ def evaluate_once(cfg: JobConfig, run: RunDir, gateway_url: str, token: str, tag
     if path.is_file():
         return json.loads(path.read_text())
     click.echo(f"evaluating ({tag}) on the test split…")
-    report = asyncio.run(evaluate(cfg.rollout, gateway_url, token, "test", cfg.eval.limit, cfg.eval.temperature))
+    rollout = cfg.rollout.model_copy(update={"max_concurrency": cfg.eval.concurrency or cfg.rollout.max_concurrency})
+    report = asyncio.run(evaluate(rollout, gateway_url, token, "test", cfg.eval.limit, cfg.eval.temperature))
     path.write_text(json.dumps(report, indent=1))
     click.echo(format_stats(report["harnesses"]))
     return report

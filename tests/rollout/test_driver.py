@@ -212,3 +212,17 @@ async def test_cancelling_an_episode_kills_its_process_group_at_once(tmp_path: P
     stat = Path(f"/proc/{grandchild}/stat")
     state = stat.read_text().rsplit(")", 1)[1].split()[0] if stat.exists() else "X"
     assert state in ("Z", "X"), "the harness's own child outlived the cancelled episode"
+
+
+async def test_a_harness_group_size_overrides_the_rollouts(tmp_path: Path) -> None:
+    hard = HarnessSpec(name="hard", tasks=["a"], command="true", verify_command="echo '{\"reward\": 0}'", group_size=5)
+    easy = HarnessSpec(name="easy", tasks=["b"], command="true", verify_command="echo '{\"reward\": 1}'")
+    async with session_standin() as gw, GatewayClient(gw.url, "admin") as client:
+        driver = RolloutDriver(_config(hard, easy, max_concurrency=8), client, tmp_path)
+        for spec in (hard, easy):
+            await driver.run_group(spec, spec.tasks[0])  # type: ignore[index]
+        await driver.run_group(hard, "a", group_size=1)  # evaluation asks for 1 and gets 1
+    sizes: dict[str, int] = {}
+    for body in gw.sessions.values():
+        sizes[body["group_id"]] = sizes.get(body["group_id"], 0) + 1
+    assert sorted(sizes.values()) == [1, 2, 5]
