@@ -159,6 +159,22 @@ class JobConfig(_Section):
         return self
 
 
+def _override(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `dotted` (e.g. "trainer.lr", or "rollout.harnesses.2.group_size": an index into an array of tables)."""
+    *parents, leaf = dotted.split(".")
+    table: Any = raw
+    for key in parents:
+        if isinstance(table, list):
+            if not key.isdigit() or int(key) >= len(table):
+                raise JobError(f"override {dotted}: {key!r} is not an index of the {len(table)} entries there")
+            table = table[int(key)]
+        else:
+            table = table.setdefault(key, {})
+    if not isinstance(table, dict):
+        raise JobError(f"override {dotted}: {'.'.join(parents)} is not a table")
+    table[leaf] = value
+
+
 def load_job(path: Path, overrides: dict[str, Any] | None = None) -> JobConfig:
     """Read, resolve relative paths against the file's folder, apply overrides (dotted keys), validate."""
     try:
@@ -166,11 +182,7 @@ def load_job(path: Path, overrides: dict[str, Any] | None = None) -> JobConfig:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise JobError(f"cannot read job file {path}: {exc}") from exc
     for dotted, value in (overrides or {}).items():
-        *parents, leaf = dotted.split(".")
-        table = raw
-        for key in parents:
-            table = table.setdefault(key, {})
-        table[leaf] = value
+        _override(raw, dotted, value)
     base = Path(path).resolve().parent
     raw["run_dir"] = str((base / raw.get("run_dir", "runs/job")).resolve())
     if raw.get("model", {}).get("dir"):

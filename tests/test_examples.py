@@ -56,3 +56,14 @@ def test_the_trainer_waits_for_the_smallest_group_of_the_mix(tmp_path: Path) -> 
     assert smallest_group(load_job(job).rollout) == 4
     job.write_text('[rollout]\ngroup_size = 4\n[[rollout.harnesses]]\nname = "ui"\nmodule = "agents.ui"\ngroup_size = 8\n')
     assert smallest_group(load_job(job).rollout) == 8
+
+
+def test_an_override_reaches_into_an_array_of_tables() -> None:
+    path = EXAMPLES[[p.name for p in EXAMPLES].index("quickstart.toml")]
+    names = [h.name for h in load_job(path).rollout.harnesses]
+    cfg = load_job(path, {"rollout.harnesses.1.max_turns": 2})
+    assert [h.max_turns for h in cfg.rollout.harnesses][1] == 2 and [h.name for h in cfg.rollout.harnesses] == names
+    with pytest.raises(JobError, match="not an index"):
+        load_job(path, {"rollout.harnesses.9.max_turns": 2})
+    with pytest.raises(JobError, match="not a table"):
+        load_job(path, {"seed.x": 1})
