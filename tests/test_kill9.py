@@ -33,7 +33,7 @@ import pytest
 import zstandard
 
 from datapool import open_pool
-from stepline.up import free_port
+from stepline.services import free_port
 from trainer.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
