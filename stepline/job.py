@@ -47,10 +47,10 @@ def invalid(source: str, exc: ValidationError, prefix: str = "") -> JobError:
 
 # TrainerConfig's fields, each with its type and range, all optional, unknown names refused: a [trainer] table
 # is checked at load without the fields a command fills in later (model_dir, output_dir, mode, ...)
-_TrainerFields = create_model(  # type: ignore[call-overload]
-    "TrainerFields", __config__=ConfigDict(extra="forbid", protected_namespaces=()),
-    **{name: (Annotated[f.annotation, *f.metadata] if f.metadata else f.annotation, None)
-       for name, f in TrainerConfig.model_fields.items()})
+_OPTIONAL: dict[str, Any] = {name: (Annotated[f.annotation, *f.metadata] if f.metadata else f.annotation, None)
+                             for name, f in TrainerConfig.model_fields.items()}
+_TrainerFields = create_model("TrainerFields", __config__=ConfigDict(extra="forbid", protected_namespaces=()),
+                              **_OPTIONAL)
 
 
 def trainer_fields(table: dict[str, Any]) -> dict[str, Any]:
