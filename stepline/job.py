@@ -233,9 +233,10 @@ def load_job(path: Path, overrides: dict[str, Any] | None = None) -> JobConfig:
     raw["run_dir"] = str((base / raw.get("run_dir", "runs/job")).resolve())
     if raw.get("model", {}).get("dir"):
         raw["model"]["dir"] = str(base / raw["model"]["dir"])
-    for trainer in (raw.get("trainer"), raw.get("sft", {}).get("trainer")):
+    sft = raw.get("sft")
+    for trainer in (raw.get("trainer"), sft.get("trainer") if isinstance(sft, dict) else None):
         for key in PATH_FIELDS:
-            if isinstance(trainer, dict) and isinstance(trainer.get(key), str):
+            if isinstance(trainer, dict) and isinstance(trainer.get(key), str):  # else validation names it
                 trainer[key] = str(base / trainer[key])  # an absolute path stays as it is
     try:
         return JobConfig.model_validate(raw)

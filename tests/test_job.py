@@ -67,3 +67,11 @@ def test_an_unknown_table_is_refused_for_every_command(tmp_path: Path) -> None:
     job.write_text('[trainer]\nlr = 0.1\n[pools]\nurl = "sqlite:///x.db"\n')  # [pool] misspelt
     with pytest.raises(JobError, match="pools: Extra inputs are not permitted"):
         load_job(job)
+
+
+def test_a_trainer_table_of_the_wrong_shape_is_named(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('sft = 3\ntrainer = "x"\n')
+    with pytest.raises(JobError) as info:
+        load_job(job)
+    assert "  sft: Input should be" in str(info.value) and "  trainer: Input should be" in str(info.value)
