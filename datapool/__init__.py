@@ -7,11 +7,16 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlsplit
 
 from datapool.base import InvalidRecord, Pool, PoolError, ReadOnlyPool, UnknownSession
 
-__all__ = ["open_pool", "Pool", "PoolError", "InvalidRecord", "UnknownSession", "ReadOnlyPool"]
+if TYPE_CHECKING:
+    from datapool.sql import SqlPool
+
+__all__ = ["open_pool", "replay_pool", "Pool", "PoolError", "InvalidRecord", "UnknownSession", "ReadOnlyPool"]
 
 
 def open_pool(url: str, read_only: bool = False) -> Pool:
@@ -41,7 +46,9 @@ def open_pool(url: str, read_only: bool = False) -> Pool:
 
         return PoolClient(url, read_only=read_only)
     if os.path.isfile(url):
-        if _is_sqlite(url):  # a pool database named by its path, as `stepline run` prints it
+        from datapool.sqlite import is_sqlite_file
+
+        if is_sqlite_file(url):  # a pool database named by its path, as `stepline run` prints it
             return open_pool(f"sqlite:///{os.path.abspath(url)}", read_only=read_only)
         from datapool.export import load_export
 
@@ -49,6 +56,22 @@ def open_pool(url: str, read_only: bool = False) -> Pool:
     raise PoolError(f"cannot open pool {url!r}: expected sqlite:///…, postgresql://…, http://… or an export file")
 
 
-def _is_sqlite(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(16) == b"SQLite format 3\x00"
+def replay_pool(pool_file: Path, work_dir: Path) -> SqlPool:
+    """The pool an offline replay trains from, leaving `pool_file` untouched. A SQLite pool is copied once into
+    work_dir/replay-pool.db: a restarted replay continues on that copy, and a fresh copy hands every group out
+    again (the stored run consumed them). An export file is loaded in memory, every group handed out."""
+    from datapool.export import load_export
+    from datapool.sqlite import SqlitePool, copy_database, is_sqlite_file
+
+    if not is_sqlite_file(pool_file):
+        export = load_export(pool_file)
+        export.reset_claims()  # held in memory only
+        return export
+    copy = Path(work_dir) / "replay-pool.db"
+    fresh = not copy.exists()
+    if fresh:
+        copy_database(pool_file, copy)
+    pool = SqlitePool(str(copy.resolve()))
+    if fresh:
+        pool.reset_claims()
+    return pool

@@ -7,16 +7,34 @@ loses nothing acknowledged in WAL mode).
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
+from pathlib import Path
 from typing import Any
 
 from datapool.base import PoolError
 from datapool.sql import SQLITE, SqlPool
 
 SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+
+def is_sqlite_file(path: str | os.PathLike[str]) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
+
+
+def copy_database(src: str | os.PathLike[str], dst: Path) -> None:
+    """A consistent copy of the SQLite pool `src` at `dst` (SQLite's backup API: it includes commits still in
+    the source's WAL, and `src` is opened read-only); written beside `dst` and renamed, so `dst` is whole."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(".tmp")
+    with closing(sqlite3.connect(f"file:{src}?mode=ro", uri=True)) as source, closing(sqlite3.connect(tmp)) as copy:
+        source.backup(copy)
+    tmp.rename(dst)
 
 
 class SqlitePool(SqlPool):

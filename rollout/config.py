@@ -23,13 +23,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["HarnessSpec", "RolloutConfig", "TreeSearch", "load_rollout_config", "list_tasks", "task_references"]
+__all__ = ["HarnessSpec", "RolloutConfig", "TreeSearch", "list_tasks", "task_references"]
 
 
 class TreeSearch(BaseModel):
@@ -116,12 +115,6 @@ class RolloutConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"harnesses: duplicate names in {names}")
         return self
-
-
-def load_rollout_config(job_file: Path) -> RolloutConfig:
-    """The [rollout] table of a TOML job file (an empty config if it has none)."""
-    with open(job_file, "rb") as f:
-        return RolloutConfig.model_validate(tomllib.load(f).get("rollout", {}))
 
 
 def task_references(spec: HarnessSpec, split: str | None = None) -> dict[str, str]:

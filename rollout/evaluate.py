@@ -1,7 +1,5 @@
-"""Evaluation: the test split of every harness in a job, through the current policy at the gateway.
-
-    stepline eval JOB.toml --gateway http://127.0.0.1:8000 [--admin-token T] [--out eval.json] [--limit N]
-                           [--temperature T]
+"""Evaluation: the test split of every harness in a job, through the current policy at the gateway
+(`stepline eval JOB.toml --gateway URL`, stepline/commands.py; `stepline run` before and after RL).
 
 Each test task runs once (at `--temperature` where given, which the gateway applies to every call of the
 session whatever the harness asks; else at the job's [rollout] temperature or the harness's own) in a session of purpose "eval"
@@ -12,20 +10,17 @@ so a trainer leaves these sessions out. Prints success per harness and writes th
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import click
 import httpx
 
 from rollout.client import GatewayClient
-from rollout.config import RolloutConfig, list_tasks, load_rollout_config
-from rollout.driver import RolloutDriver, format_stats, results_json
+from rollout.config import RolloutConfig, list_tasks
+from rollout.driver import RolloutDriver, results_json
 
-__all__ = ["eval_command", "evaluate", "spread"]
+__all__ = ["evaluate", "spread"]
 
 
 async def evaluate(config: RolloutConfig, gateway_url: str, admin_token: str | None = None, split: str = "test",
@@ -61,30 +56,3 @@ async def _weight_version(gateway_url: str) -> int | None:
             return (await http.get(f"{gateway_url.rstrip('/')}/health")).json().get("weight_version")
     except (httpx.HTTPError, ValueError, AttributeError):
         return None
-
-
-@click.command("eval")
-@click.argument("job_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--gateway", "gateway_url", default=lambda: os.environ.get("STEPLINE_GATEWAY_URL"),
-              help="Gateway base URL (a running `stepline up`) [env STEPLINE_GATEWAY_URL].")
-@click.option("--admin-token", default=lambda: os.environ.get("STEPLINE_ADMIN_TOKEN"),
-              help="Admin token of the gateway [env STEPLINE_ADMIN_TOKEN].")
-@click.option("--split", type=click.Choice(["train", "test"]), default="test", show_default=True)
-@click.option("--limit", type=click.IntRange(1), default=None, help="At most this many tasks per harness.")
-@click.option("--temperature", type=click.FloatRange(0, 2), default=None,
-              help="Sampling temperature of every call, whatever the harness asks (0: greedy; default: the job's "
-                   "[rollout] temperature, else the harness's own).")
-@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=Path("eval.json"),
-              show_default=True, help="Where the JSON report goes.")
-def eval_command(job_file: Path, gateway_url: str | None, admin_token: str | None, split: str, limit: int | None,
-                 temperature: float | None, out_file: Path) -> None:
-    """Success per harness on the test split, through the current policy."""
-    if not gateway_url:
-        raise click.UsageError("no gateway: pass --gateway URL (start one with `stepline up`)")
-    config = load_rollout_config(job_file)
-    if not config.harnesses:
-        raise click.UsageError(f"{job_file} has no [[rollout.harnesses]]")
-    report = asyncio.run(evaluate(config, gateway_url, admin_token, split, limit, temperature))
-    out_file.write_text(json.dumps(report, indent=1))
-    click.echo(format_stats(report["harnesses"]))
-    click.echo(f"weight version {report['weight_version']}; report written to {out_file}")

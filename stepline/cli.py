@@ -17,9 +17,9 @@ COMMANDS: dict[str, str] = {
     "gateway": "gateway.cli:gateway_command",
     "up": "stepline.up:up_command",
     "pool": "datapool.cli:pool_group",
-    "train": "trainer.cli:train_command",
-    "replay": "trainer.cli:replay_command",
-    "eval": "rollout.evaluate:eval_command",
+    "train": "stepline.commands:train_command",
+    "replay": "stepline.commands:replay_command",
+    "eval": "stepline.commands:eval_command",
     "run": "stepline.run:run_command",
     "dashboard": "stepline.dashboard.cli:dashboard_command",
 }

@@ -4,12 +4,17 @@
     [model]     how to build the base model (or `dir` of an existing one)
     [sft]       warm start: expert demonstrations per harness, and [trainer] overrides for the SFT pass
     [services]  the engine (built-in or vLLM, started on the policy; or a running one) and the gateway
-    [trainer]   the RL trainer (`trainer.config.TrainerConfig`; model_dir/output_dir are filled in here)
+    [trainer]   the trainer (`trainer.config.TrainerConfig`; `stepline run` fills in model_dir/output_dir)
+    [pool]      the pool `stepline train` and `stepline replay` read (`stepline run` keeps its own in run_dir)
     [rollout]   the harness mix (`rollout.config.RolloutConfig`)
     [eval]      the held-out evaluation before and after RL
     [cluster]   `stepline run --ray` only: how many of each part, their Ray resources, the PostgreSQL pool
 
-Relative paths are resolved against the job file's folder. Errors name the table and the field.
+One loader for `stepline run`, `train`, `replay` and `eval`. Relative paths are resolved against the job
+file's folder. Errors name the table and the field (`JobError`: "invalid job file F:\n  trainer.lr: ...").
+The [trainer] tables are checked at load field by field (names, types, ranges: `trainer_fields`); the checks
+across fields, and those of the fields a command fills in, run when the command builds the whole
+`TrainerConfig` (`trainer_config`), in the same format.
 """
 
 from __future__ import annotations
@@ -18,16 +23,50 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from rollout.config import RolloutConfig
 from stepline.models import check_vllm_shape
+from trainer.config import TrainerConfig
 
-__all__ = ["JobConfig", "JobError", "load_job"]
+__all__ = ["JobConfig", "JobError", "load_job", "trainer_config"]
+
+PATH_FIELDS = ("model_dir", "output_dir")  # [trainer] paths, relative to the job file's folder
 
 
 class JobError(ValueError):
     """The job file cannot be read or does not validate (the message names the field)."""
+
+
+def invalid(source: str, exc: ValidationError, prefix: str = "") -> JobError:
+    """One error format for every job check: `invalid SOURCE:` then one `  table.field: message` line each."""
+    lines = [f"invalid {source}:"]
+    lines += [f"  {prefix}{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
+    return JobError("\n".join(lines))
+
+
+# TrainerConfig's fields, each with its type and range, all optional, unknown names refused: a [trainer] table
+# is checked at load without the fields a command fills in later (model_dir, output_dir, mode, ...)
+_OPTIONAL: dict[str, Any] = {name: (Annotated[f.annotation, *f.metadata] if f.metadata else f.annotation, None)
+                             for name, f in TrainerConfig.model_fields.items()}
+_TrainerFields = create_model("TrainerFields", __config__=ConfigDict(extra="forbid", protected_namespaces=()),
+                              **_OPTIONAL)
+
+
+def trainer_fields(table: dict[str, Any]) -> dict[str, Any]:
+    """The table with each value converted to its field's type; ValidationError naming each bad field."""
+    return _TrainerFields.model_validate(table).model_dump(exclude_unset=True)
+
+
+TrainerTable = Annotated[dict[str, Any], BeforeValidator(trainer_fields)]
+
+
+def trainer_config(table: dict[str, Any], name: str = "trainer", source: str = "job") -> TrainerConfig:
+    """The whole TrainerConfig of a [trainer] table (filled in by the command); JobError naming `NAME.field`."""
+    try:
+        return TrainerConfig.model_validate(table)
+    except ValidationError as exc:
+        raise invalid(source, exc, f"{name}.") from exc
 
 
 class _Section(BaseModel):
@@ -62,7 +101,7 @@ class SFTSection(_Section):
     demos_per_harness: int = Field(16, ge=0, description="expert demonstrations per harness (0: no warm start)")
     demos: dict[str, Annotated[int, Field(ge=0)]] = Field(
         default_factory=dict, description="demonstrations of the named harnesses instead, e.g. {ui = 32}")
-    trainer: dict[str, Any] = Field(default_factory=dict, description="TrainerConfig overrides for the SFT pass")
+    trainer: TrainerTable = Field(default_factory=dict, description="TrainerConfig fields for the SFT pass")
 
 
 class ServicesSection(_Section):
@@ -83,6 +122,11 @@ class ServicesSection(_Section):
         "float32", description="weights of the built-in engine; auto: bfloat16 where this CPU has bf16 units")
     engine_threads: int | None = Field(None, ge=1, description="torch threads of the built-in engine (None: torch's)")
     prefix_cache_mb: float = Field(1024.0, ge=0, description="built-in engine's prefix cache bound (0: off)")
+
+
+class PoolSection(_Section):
+    url: str = Field("sqlite:///pool.db", description="pool URL of `stepline train`/`replay`: sqlite:///…, "
+                     "postgresql://…, http://…")
 
 
 class EvalSection(_Section):
@@ -135,7 +179,9 @@ class JobConfig(_Section):
     model: ModelSection = ModelSection()
     sft: SFTSection = SFTSection()
     services: ServicesSection = ServicesSection()
-    trainer: dict[str, Any] = Field(default_factory=dict, description="TrainerConfig fields for the RL phase")
+    trainer: TrainerTable = Field(default_factory=dict, description="TrainerConfig fields: the RL phase of `stepline "
+                                  "run`, the trainer of `stepline train` and `replay`")
+    pool: PoolSection = PoolSection()
     rollout: RolloutConfig = RolloutConfig()
     eval: EvalSection = EvalSection()
     cluster: ClusterSection = ClusterSection()
@@ -187,9 +233,12 @@ def load_job(path: Path, overrides: dict[str, Any] | None = None) -> JobConfig:
     raw["run_dir"] = str((base / raw.get("run_dir", "runs/job")).resolve())
     if raw.get("model", {}).get("dir"):
         raw["model"]["dir"] = str(base / raw["model"]["dir"])
+    sft = raw.get("sft")
+    for trainer in (raw.get("trainer"), sft.get("trainer") if isinstance(sft, dict) else None):
+        for key in PATH_FIELDS:
+            if isinstance(trainer, dict) and isinstance(trainer.get(key), str):  # else validation names it
+                trainer[key] = str(base / trainer[key])  # an absolute path stays as it is
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as exc:
-        lines = [f"invalid job file {path}:"]
-        lines += [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
-        raise JobError("\n".join(lines)) from exc
+        raise invalid(f"job file {path}", exc) from exc

@@ -1,6 +1,6 @@
 """Children of `stepline up` / `stepline run` die with their parent, even when it is killed with -9.
 
-`stepline.up.start` puts the parent's pid in the child's environment; the child's CLI entry calls
+`stepline.services.start` puts the parent's pid in the child's environment; the child's CLI entry calls
 `die_with_parent()`, which asks Linux for SIGTERM when the parent goes (prctl PR_SET_PDEATHSIG). The
 engine and the gateway treat SIGTERM as a clean shutdown (the gateway flushes its records first), so a
 killed job leaves no engine holding its port and memory. A program that cannot make that call (vLLM) is

@@ -9,15 +9,12 @@ imports ray at module level (the core never needs it; `stepline[ray]` is an opti
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
 import threading
 from pathlib import Path
 from typing import Any
 
-from stepline.lifeline import PARENT_PID_ENV
-from stepline.up import Child, stop_all, wait_healthy
+from stepline.services import Child, start, stop_all, wait_healthy
 
 __all__ = ["WORKER_KEY", "RolloutPart", "ServicePart", "TrainerPart", "fill"]
 
@@ -76,12 +73,8 @@ class ServicePart:
         return self.url
 
     def _spawn(self) -> Child:
-        log = self.logs / f"{self.name}.log"
-        with log.open("ab") as out:
-            # the lifeline: the process gets SIGTERM when this actor's process goes (ray.kill, a lost node)
-            proc = subprocess.Popen(self._argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, PARENT_PID_ENV: str(os.getpid()), **self.env})
-        return Child(self.name, proc, log)
+        # the lifeline: the process gets SIGTERM when this actor's process goes (ray.kill, a lost node)
+        return start(self.name, self._argv, self.logs, self.env)
 
     def _watch(self) -> None:
         """Start the process again when it exits while nobody stopped it (bounded; the service itself

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import secrets
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ import click
 from stepline.job import JobConfig, JobError, PartResources
 from stepline.run import (
     RunDir,
-    engine_argv,
+    engine_spec,
     evaluate_once,
     save_rollouts,
     warm_started,
@@ -104,7 +103,7 @@ def placed_services(cfg: JobConfig, run: RunDir, policy: Path, token: str, pool_
     import ray
 
     from stepline.ray_parts import ServicePart
-    from stepline.up import engine_token
+    from stepline.services import GatewaySpec, engine_token
 
     c, placed = cfg.cluster, Placed()
     env = {"STEPLINE_ENGINE_TOKEN": engine_token()}
@@ -117,12 +116,10 @@ def placed_services(cfg: JobConfig, run: RunDir, policy: Path, token: str, pool_
         share = c.engines // c.gateways
         kind = cfg.services.engine_kind if c.engine_command else "builtin"
         for g in range(c.gateways):
-            engines = [arg for u in placed.engine_urls[g * share:(g + 1) * share] for arg in ("--engine", u)]
-            argv = [sys.executable, "-m", "stepline.cli", "gateway", *engines, "--engine-kind", kind,
-                    "--model", str(policy), "--pool", pool_url, "--host", "{host}", "--port", "{port}",
-                    "--spill", str(run.root / f"gateway-{g}.spill")]
+            spec = GatewaySpec(tuple(placed.engine_urls[g * share:(g + 1) * share]), policy, pool_url, "{port}", kind,
+                               host="{host}", spill=run.root / f"gateway-{g}.spill")
             placed.gateways.append(actor(ServicePart, f"stepline-gateway-{g}", c.gateway).remote(
-                f"gateway-{g}", argv, run.logs, {**env, "STEPLINE_ADMIN_TOKEN": token}))
+                f"gateway-{g}", spec.to_argv(), run.logs, {**env, "STEPLINE_ADMIN_TOKEN": token}))
         placed.gateway_urls = ray.get([g.start.remote(timeout) for g in placed.gateways])
         yield placed
     finally:
@@ -136,8 +133,7 @@ def engine_command(cfg: JobConfig, policy: Path) -> list[str]:
     """The engine's argv with {host} {port} {model} placeholders: the job's command template, or the built-in."""
     if cfg.cluster.engine_command:
         return list(cfg.cluster.engine_command)
-    argv = engine_argv(cfg.services, policy, "http://{host}:{port}")
-    return [sys.executable, "-m", "stepline.cli", *argv, "--host", "{host}"]
+    return engine_spec(cfg.services, policy, "{port}", "{host}").to_argv()
 
 
 def train_on_ray(cfg: JobConfig, run: RunDir, tcfg: Any, placed: Placed, pool_url: str, trainers: list[Any]) -> None:

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from stepline.job import JobConfig, JobError, ServicesSection, load_job
+from stepline.job import JobConfig, JobError, ServicesSection, load_job, trainer_config
+from stepline.services import Child, EngineSpec, GatewaySpec, Services, engine_token, free_port, port_of
 
 if TYPE_CHECKING:
     from rollout.config import RolloutConfig
-    from stepline.up import Child
     from trainer.config import TrainerConfig
 
 __all__ = ["run_command", "run_job"]
@@ -95,27 +95,14 @@ def warm_started(cfg: JobConfig) -> tuple[RunDir, TrainerConfig, Path]:
     return run, rl_cfg, policy
 
 
-def trainer_configs(cfg: JobConfig, run: RunDir, base: Path):
+def trainer_configs(cfg: JobConfig, run: RunDir, base: Path) -> list[TrainerConfig]:
     """The SFT and RL trainer configs; a bad field fails here, naming `sft.trainer.X` or `trainer.X`."""
-    from pydantic import ValidationError
-
-    from trainer.config import TrainerConfig
-
-    tables = {
-        "sft.trainer": {"seed": cfg.seed, "progress": False, **cfg.sft.trainer, "mode": "sft", "model_dir": base,
-                        "output_dir": run.sft / "train"},
-        "trainer": {"seed": cfg.seed, "checkpoint_every": 1, "idle_timeout": 10.0, **cfg.trainer, "mode": "rl",
-                    "progress": False, "model_dir": base, "output_dir": run.rl,
-                    "max_updates": max(cfg.rl_updates, 1), "group_size": smallest_group(cfg.rollout)},
-    }
-    configs = []
-    for name, table in tables.items():
-        try:
-            configs.append(TrainerConfig.model_validate(table))
-        except ValidationError as exc:
-            fields = "; ".join(f"{name}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise JobError(f"invalid job: {fields}") from exc
-    return configs
+    sft = {"seed": cfg.seed, "progress": False, **cfg.sft.trainer, "mode": "sft", "model_dir": base,
+           "output_dir": run.sft / "train"}
+    rl = {"seed": cfg.seed, "checkpoint_every": 1, "idle_timeout": 10.0, **cfg.trainer, "mode": "rl",
+          "progress": False, "model_dir": base, "output_dir": run.rl, "max_updates": max(cfg.rl_updates, 1),
+          "group_size": smallest_group(cfg.rollout)}
+    return [trainer_config(sft, "sft.trainer"), trainer_config(rl, "trainer")]
 
 
 def smallest_group(rollout: RolloutConfig) -> int:
@@ -169,42 +156,34 @@ def warm_start(cfg: JobConfig, run: RunDir, base: Path, sft: TrainerConfig) -> P
 def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[str]:
     """The engine (unless the job names a running one) and the gateway, as subprocesses; yields the gateway URL
     (run_dir/services.json names both while they run)."""
-    from stepline.up import free_port, start, stop_all, wait_healthy
-
-    children = []
-    try:
+    with Services(run.logs, cfg.services.startup_timeout_s) as children:
         engine_url, kind = cfg.services.engine_url, cfg.services.engine_kind
         if engine_url is None:
             engine_url = f"http://127.0.0.1:{free_port()}"
-            children.append(start_engine(cfg.services, policy, engine_url, run.logs))
-            wait_healthy(children[-1], engine_url, cfg.services.startup_timeout_s)
+            children.wait(start_engine(children, cfg.services, policy, engine_url), engine_url)
         gateway_url = f"http://127.0.0.1:{free_port()}"
-        children.append(start("gateway", ["gateway", "--engine", engine_url, "--engine-kind", kind, "--model", str(policy),
-                                           "--pool", f"sqlite:///{run.pool_db}", "--port", gateway_url.rsplit(":", 1)[1],
-                                           "--spill", str(run.root / "gateway.spill")], run.logs,
-                                     {"STEPLINE_ADMIN_TOKEN": token}))  # in the environment: ps shows argv
-        wait_healthy(children[-1], gateway_url, cfg.services.startup_timeout_s)
+        gateway = GatewaySpec((engine_url,), policy, f"sqlite:///{run.pool_db}", port_of(gateway_url), kind,
+                              spill=run.root / "gateway.spill")
+        # the admin token in the environment: ps shows argv
+        children.wait(children.start("gateway", gateway.to_argv(), {"STEPLINE_ADMIN_TOKEN": token}), gateway_url)
         (run.root / "services.json").write_text(json.dumps({"engine": engine_url, "engine_kind": kind,
                                                             "gateway": gateway_url}, indent=1))
         yield gateway_url
-    finally:
-        stop_all(children)
 
 
-def start_engine(svc: ServicesSection, policy: Path, url: str, logs: Path) -> Child:
+def start_engine(children: Services, svc: ServicesSection, policy: Path, url: str) -> Child:
     """The engine the job starts on its policy: the built-in one, or vLLM from its own environment."""
-    from stepline.up import engine_token, start, start_program
     from stepline.vllm_server import vllm_argv, vllm_env, vllm_python
 
     if svc.engine_kind != "vllm":
-        return start("engine", engine_argv(svc, policy, url), logs)
+        return children.start("engine", engine_spec(svc, policy, port_of(url)).to_argv())
     try:
         python = vllm_python(svc.vllm_python)
     except ValueError as exc:
         raise JobError(str(exc)) from None
     argv = vllm_argv(python, policy, url, engine_dtype(svc), svc.context_length, svc.vllm_args)
     env = vllm_env(svc.engine_threads, engine_token(), svc.vllm_kv_cache_gib)
-    return start_program("engine", [sys.executable, "-m", "stepline.lifeline", *argv], logs, env)
+    return children.start("engine", [sys.executable, "-m", "stepline.lifeline", *argv], env)
 
 
 def engine_dtype(svc: ServicesSection) -> str:
@@ -218,12 +197,10 @@ def engine_dtype(svc: ServicesSection) -> str:
     return "bfloat16" if fast_bf16(torch.device("cpu")) else "float32"
 
 
-def engine_argv(svc: ServicesSection, policy: Path, url: str) -> list[str]:
-    """`stepline engine` arguments of the built-in engine the job starts."""
-    argv = ["engine", "--model", str(policy), "--port", url.rsplit(":", 1)[1], "--dtype", engine_dtype(svc),
-            "--prefix-cache-mb", str(svc.prefix_cache_mb)]
-    argv += ["--context-length", str(svc.context_length)] if svc.context_length else []
-    return argv + (["--threads", str(svc.engine_threads)] if svc.engine_threads else [])
+def engine_spec(svc: ServicesSection, policy: Path, port: int | str, host: str | None = None) -> EngineSpec:
+    """The built-in engine the job starts on its policy ([services] table)."""
+    return EngineSpec(policy, port, host, svc.context_length, engine_dtype(svc), svc.prefix_cache_mb,
+                      svc.engine_threads)
 
 
 def evaluate_once(cfg: JobConfig, run: RunDir, gateway_url: str, token: str, tag: str) -> dict[str, Any]:

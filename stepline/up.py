@@ -11,95 +11,16 @@ the gateway could not write wait there for the next `up` on the same STATE_DIR.
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
-import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import httpx
 
 from stepline.dashboard.cli import dashboard_beside
-from stepline.lifeline import PARENT_PID_ENV
+from stepline.services import EngineSpec, GatewaySpec, PoolSpec, Services, free_port, port_of, tail
 
 __all__ = ["up_command"]
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    log: Path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def engine_token() -> str:
-    """The token between the engine and the gateway: STEPLINE_ENGINE_TOKEN, else one made for this
-    process (so `up` and `run` protect the engine they start without saying so)."""
-    return os.environ.setdefault("STEPLINE_ENGINE_TOKEN", secrets.token_urlsafe(24))
-
-
-def start(name: str, args: list[str], logs: Path, env: dict[str, str] | None = None) -> Child:
-    """Start `stepline <args>` as child `name`; env: extra variables (tokens travel there, not in argv,
-    so `ps` shows none of them)."""
-    return start_program(name, [sys.executable, "-m", "stepline.cli", *args], logs, env)
-
-
-def start_program(name: str, argv: list[str], logs: Path, env: dict[str, str] | None = None) -> Child:
-    """Start `argv` as child `name`, its output in logs/NAME.log. A program that is not `stepline` must be
-    started through `python -m stepline.lifeline` to die with us (stepline.lifeline)."""
-    log = logs / f"{name}.log"
-    out = log.open("ab")
-    # own session: Ctrl-C reaches only `up`, which then stops the children in order; and a child dies
-    # with us even when we are killed with -9 (stepline.lifeline)
-    env = {**os.environ, "STEPLINE_ENGINE_TOKEN": engine_token(), PARENT_PID_ENV: str(os.getpid()), **(env or {})}
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    out.close()
-    return Child(name, proc, log)
-
-
-def wait_healthy(child: Child | None, url: str, timeout: float) -> None:
-    """Poll url/health until 200; fail early (with the child's log tail) if the child exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if child is not None and child.proc.poll() is not None:
-            raise click.ClickException(f"{child.name} exited with code {child.proc.returncode}:\n{tail(child.log)}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    name = child.name if child else url
-    raise click.ClickException(
-        f"{name} did not become healthy within {timeout:g} s" + (f":\n{tail(child.log)}" if child else "")
-    )
-
-
-def tail(log: Path, lines: int = 20) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
-
-
-def stop_all(children: list[Child], grace: float = 30.0) -> None:
-    """Stop in reverse start order: gateway (flushes to the pool), pool, engine."""
-    for child in reversed(children):
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-            try:
-                child.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
 
 
 def open_session(gateway: str, admin_token: str) -> dict:
@@ -184,67 +105,38 @@ def up_command(
 ) -> None:
     """Start engine, pool and gateway together and print how to point an agent at them."""
     logs = state_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     admin_token = admin_token or secrets.token_urlsafe(16)
     pool_tokens = {f"STEPLINE_POOL_{right}_TOKEN": secrets.token_urlsafe(24) for right in ("READ", "WRITE", "CLAIM")}
-    children: list[Child] = []
-    limit = ["--context-length", str(context_length)] if context_length else []
-    try:
-        if engine_url is None:
-            engine_url, engine_kind = f"http://127.0.0.1:{free_port()}", "builtin"
-            children.append(start(
-                "engine", ["engine", "--model", str(model_dir), "--port", engine_url.rsplit(":", 1)[1], *limit], logs
-            ))
-        # the gateway asks the engine its model and context length when it starts: the engine answers first
-        wait_healthy(children[0] if children else None, engine_url, startup_timeout)
-        database = f"sqlite:///{(state_dir / 'pool.db').resolve()}"
-        if pool_url is None and serve_pool:
-            pool_url = f"http://127.0.0.1:{free_port()}"
-            children.append(
-                start("pool", ["pool", "serve", "--db", database, "--port", pool_url.rsplit(":", 1)[1]], logs,
-                      pool_tokens)
-            )
-        pool_url = pool_url or database
-        gateway_url = f"http://127.0.0.1:{port or free_port()}"
-        children.append(
-            start(
-                "gateway",
-                [
-                    "gateway",
-                    "--engine",
-                    engine_url,
-                    "--engine-kind",
-                    engine_kind,
-                    "--model",
-                    str(model_dir),
-                    "--pool",
-                    pool_url,
-                    "--port",
-                    gateway_url.rsplit(":", 1)[1],
-                    "--spill",
-                    str(state_dir / "gateway.spill"),
-                    "--session-idle-timeout",
-                    str(session_idle_timeout),
-                    *limit,
-                ],
-                logs,
-                {"STEPLINE_ADMIN_TOKEN": admin_token, "STEPLINE_POOL_TOKEN": pool_tokens["STEPLINE_POOL_WRITE_TOKEN"]},
-            )
-        )
-        by_name = {c.name: c for c in children}
-        wait_healthy(by_name.get("engine"), engine_url, startup_timeout)
-        if "pool" in by_name:
-            wait_healthy(by_name["pool"], pool_url, startup_timeout)
-        wait_healthy(by_name["gateway"], gateway_url, startup_timeout)
-        click.echo(instructions(gateway_url, engine_url, pool_url, admin_token, open_session(gateway_url, admin_token)))
-        click.echo(f"Logs: {logs}", err=True)
-        reader = {"STEPLINE_POOL_TOKEN": pool_tokens["STEPLINE_POOL_READ_TOKEN"]}
-        with dashboard_beside(["--pool", pool_url], dashboard_port, logs, reader, startup_timeout):
-            while all(c.proc.poll() is None for c in children):
-                time.sleep(0.5)
-        dead = next(c for c in children if c.proc.poll() is not None)
-        raise click.ClickException(f"{dead.name} exited with code {dead.proc.returncode}:\n{tail(dead.log)}")
-    except KeyboardInterrupt:
-        click.echo("\nstopping...", err=True)
-    finally:
-        stop_all(children)
+    with Services(logs, startup_timeout) as services:
+        try:
+            engine = None
+            if engine_url is None:
+                engine_url, engine_kind = f"http://127.0.0.1:{free_port()}", "builtin"
+                engine = services.start("engine", EngineSpec(model_dir, port_of(engine_url),
+                                                             context_length=context_length).to_argv())
+            # the gateway asks the engine its model and context length when it starts: the engine answers first
+            services.wait(engine, engine_url)
+            database = f"sqlite:///{(state_dir / 'pool.db').resolve()}"
+            pool = None
+            if pool_url is None and serve_pool:
+                pool_url = f"http://127.0.0.1:{free_port()}"
+                pool = services.start("pool", PoolSpec(database, port_of(pool_url)).to_argv(), pool_tokens)
+            pool_url = pool_url or database
+            gateway_url = f"http://127.0.0.1:{port or free_port()}"
+            gateway = GatewaySpec((engine_url,), model_dir, pool_url, port_of(gateway_url), engine_kind,
+                                  spill=state_dir / "gateway.spill", session_idle_timeout=session_idle_timeout,
+                                  context_length=context_length)
+            gateway_child = services.start("gateway", gateway.to_argv(), {
+                "STEPLINE_ADMIN_TOKEN": admin_token, "STEPLINE_POOL_TOKEN": pool_tokens["STEPLINE_POOL_WRITE_TOKEN"]})
+            if pool is not None:
+                services.wait(pool, pool_url)
+            services.wait(gateway_child, gateway_url)
+            click.echo(instructions(gateway_url, engine_url, pool_url, admin_token,
+                                    open_session(gateway_url, admin_token)))
+            click.echo(f"Logs: {logs}", err=True)
+            reader = {"STEPLINE_POOL_TOKEN": pool_tokens["STEPLINE_POOL_READ_TOKEN"]}
+            with dashboard_beside(["--pool", pool_url], dashboard_port, logs, reader, startup_timeout):
+                dead = services.first_exit()
+            raise click.ClickException(f"{dead.name} exited with code {dead.proc.returncode}:\n{tail(dead.log)}")
+        except KeyboardInterrupt:
+            click.echo("\nstopping...", err=True)

@@ -33,7 +33,7 @@ import pytest
 import zstandard
 
 from datapool import open_pool
-from stepline.up import free_port
+from stepline.services import GatewaySpec, PoolSpec, free_port, port_of
 from trainer.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,9 +43,10 @@ ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("STEPLINE_POO
        "OMP_NUM_THREADS": "1", "STEPLINE_ADMIN_TOKEN": "adm"}
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen:
+def spawn(argv: list[str], log: Path) -> subprocess.Popen:
+    """`argv` (a spec's, stepline/services.py) killable with -9: no lifeline, so it lives on when we go."""
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=ENV)
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=ENV)
 
 
 def healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:  # a loaded machine
@@ -119,7 +120,7 @@ def wait_recorded(db: Path, acked: set[str], timeout: float = 20.0) -> set[str]:
 def fake_engine(tmp_path: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{free_port()}"
     log = tmp_path / "engine.log"
-    proc = spawn(["gateway.testing", "--port", url.rsplit(":", 1)[1], "--tokens", "4"], log)
+    proc = spawn([sys.executable, "-m", "gateway.testing", "--port", port_of(url), "--tokens", "4"], log)
     try:
         healthy(url, proc, log)
         yield url
@@ -130,8 +131,7 @@ def fake_engine(tmp_path: Path) -> Iterator[str]:
 
 def pool_service(db: Path, pool_url: str, tmp_path: Path) -> subprocess.Popen:
     """`stepline pool serve` on the SQLite file `db` at `pool_url`, once healthy."""
-    proc = spawn(["stepline.cli", "pool", "serve", "--db", f"sqlite:///{db}", "--port",
-                  pool_url.rsplit(":", 1)[1]], tmp_path / "pool.log")
+    proc = spawn(PoolSpec(f"sqlite:///{db}", port_of(pool_url)).to_argv(), tmp_path / "pool.log")
     healthy(pool_url, proc, tmp_path / "pool.log")
     return proc
 
@@ -142,9 +142,8 @@ def test_kill9_gateway_and_pool_service_lose_no_acknowledged_call(tiny_model_dir
 
     def gateway(engine: str) -> tuple[str, subprocess.Popen]:
         url = f"http://127.0.0.1:{free_port()}"
-        proc = spawn(["stepline.cli", "gateway", "--engine", engine, "--engine-kind", "sglang", "--model",
-                      str(tiny_model_dir), "--pool", pool_url, "--port", url.rsplit(":", 1)[1], "--spill", str(spill)],
-                     tmp_path / "gateway.log")
+        spec = GatewaySpec((engine,), tiny_model_dir, pool_url, port_of(url), "sglang", spill=spill)
+        proc = spawn(spec.to_argv(), tmp_path / "gateway.log")
         healthy(url, proc, tmp_path / "gateway.log")
         return url, proc
 
@@ -279,11 +278,11 @@ def test_kill9_gateway_mid_job_orphans_are_abandoned_and_every_group_trains_once
     in it, those without left out (datapool/sql.py, the ready rule)."""
     db, spill = tmp_path / "pool.db", tmp_path / "gateway.spill"
 
-    def gateway(engine: str, *extra: str) -> tuple[str, subprocess.Popen]:
+    def gateway(engine: str, idle_timeout: float | None = None) -> tuple[str, subprocess.Popen]:
         url = f"http://127.0.0.1:{free_port()}"
-        proc = spawn(["stepline.cli", "gateway", "--engine", engine, "--engine-kind", "sglang", "--model",
-                      str(tiny_model_dir), "--pool", f"sqlite:///{db}", "--port", url.rsplit(":", 1)[1],
-                      "--spill", str(spill), *extra], tmp_path / "gateway.log")
+        spec = GatewaySpec((engine,), tiny_model_dir, f"sqlite:///{db}", port_of(url), "sglang", spill=spill,
+                           session_idle_timeout=idle_timeout)
+        proc = spawn(spec.to_argv(), tmp_path / "gateway.log")
         healthy(url, proc, tmp_path / "gateway.log")
         return url, proc
 
@@ -312,7 +311,7 @@ def test_kill9_gateway_mid_job_orphans_are_abandoned_and_every_group_trains_once
             stream.stop()
             assert stream.acked and _statuses(db)[ids["t2b"]] == _statuses(db)[ids["t3b"]] == "open"
             time.sleep(2.0)  # the orphans are now older than the next gateway's idle timeout
-            _, gw = gateway(engine, "--session-idle-timeout", "2")
+            _, gw = gateway(engine, idle_timeout=2.0)
             procs.append(gw)
             assert trainer.wait(240) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
             missing = wait_recorded(db, stream.acked)
@@ -387,9 +386,8 @@ def test_kill9_pool_service_mid_job_loses_nothing_and_every_group_trains_once(
         try:
             procs.append(pool := pool_service(db, pool_url, tmp_path))
             url = f"http://127.0.0.1:{free_port()}"
-            procs.append(gw := spawn(["stepline.cli", "gateway", "--engine", engine, "--engine-kind", "sglang",
-                                      "--model", str(tiny_model_dir), "--pool", pool_url, "--port",
-                                      url.rsplit(":", 1)[1], "--spill", str(spill)], tmp_path / "gateway.log"))
+            spec = GatewaySpec((engine,), tiny_model_dir, pool_url, port_of(url), "sglang", spill=spill)
+            procs.append(gw := spawn(spec.to_argv(), tmp_path / "gateway.log"))
             healthy(url, gw, tmp_path / "gateway.log")
             s = {f"{task}{m}": open_session(url, task) for task in ("t0", "t1", "t2", "t3") for m in "ab"}
             ids = {name: session["session_id"] for name, session in s.items()}

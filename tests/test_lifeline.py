@@ -14,9 +14,9 @@ import pytest
 PARENT = """
 import sys, time
 from pathlib import Path
-from stepline.up import free_port, start, wait_healthy
+from stepline.services import PoolSpec, free_port, start, wait_healthy
 port = free_port()
-child = start("pool", ["pool", "serve", "--db", sys.argv[1], "--port", str(port)], Path(sys.argv[2]))
+child = start("pool", PoolSpec(sys.argv[1], port).to_argv(), Path(sys.argv[2]))
 wait_healthy(child, f"http://127.0.0.1:{port}", 60)
 print(child.proc.pid, flush=True)
 time.sleep(600)
@@ -60,8 +60,8 @@ def test_a_bound_process_runs_on_and_does_not_pass_the_binding_on() -> None:
 EXEC_PARENT = """
 import sys, time
 from pathlib import Path
-from stepline.up import start_program
-child = start_program("sleeper", [sys.executable, "-m", "stepline.lifeline", "/bin/sleep", "600"], Path(sys.argv[1]))
+from stepline.services import start
+child = start("sleeper", [sys.executable, "-m", "stepline.lifeline", "/bin/sleep", "600"], Path(sys.argv[1]))
 print(child.proc.pid, flush=True)
 time.sleep(600)
 """

@@ -7,7 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from stepline.job import ServicesSection
-from stepline.run import engine_argv
+from stepline.run import engine_spec
 from trainer.config import TrainerConfig
 from trainer.precision import fast_bf16, resolve_bf16
 
@@ -27,7 +27,7 @@ def test_auto_follows_the_cpu_and_explicit_choices_stand(cpu_bf16):
 
 
 def test_job_engine_dtype_auto_becomes_a_concrete_dtype(cpu_bf16):
-    argv = engine_argv(ServicesSection(engine_dtype="auto"), Path("model"), "http://127.0.0.1:9")
+    argv = engine_spec(ServicesSection(engine_dtype="auto"), Path("model"), 9).to_argv()
     assert argv[argv.index("--dtype") + 1] == ("bfloat16" if cpu_bf16 else "float32")
 
 

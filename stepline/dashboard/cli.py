@@ -79,11 +79,11 @@ def dashboard_beside(target: list[str], port: int | None, logs: Path, env: dict[
     if port is None:
         yield None
         return
-    from stepline.up import free_port, start, stop_all, wait_healthy
+    from stepline.services import free_port, port_of, start, stepline_argv, stop_all, wait_healthy
 
     logs.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port or free_port()}"
-    child = start("dashboard", ["dashboard", *target, "--port", url.rsplit(":", 1)[1]], logs, env)
+    child = start("dashboard", stepline_argv("dashboard", *target, "--port", port_of(url)), logs, env)
     try:
         wait_healthy(child, url, timeout)
         click.echo(f"dashboard: {url}/")

@@ -13,8 +13,9 @@ import pytest
 from session_standin import session_standin
 
 from rollout.client import GatewayClient
-from rollout.config import HarnessSpec, RolloutConfig, load_rollout_config
+from rollout.config import HarnessSpec, RolloutConfig
 from rollout.driver import RolloutDriver, format_stats, parse_verdict, run_rollouts
+from stepline.job import load_job
 
 PY = sys.executable
 
@@ -153,7 +154,7 @@ def test_config_validation_and_job_file(tmp_path: Path) -> None:
         RolloutConfig(harnesses=[HarnessSpec(name="t", module="m"), HarnessSpec(name="t", module="m")])
     job = tmp_path / "job.toml"
     job.write_text('[rollout]\ngroup_size = 3\n[[rollout.harnesses]]\nname = "terminal"\nmodule = "agents.terminal"\n')
-    config = load_rollout_config(job)
+    config = load_job(job).rollout  # the one job loader (stepline.job)
     assert config.group_size == 3 and config.harnesses[0].module == "agents.terminal"
 
 

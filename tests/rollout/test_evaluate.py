@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from session_standin import StandIn, session_standin
 
 from rollout.config import HarnessSpec, RolloutConfig
-from rollout.evaluate import eval_command, evaluate
+from rollout.evaluate import evaluate
+from stepline.commands import eval_command
 
 ONE = "echo '{\"reward\": 1, \"success\": true}'"
 ZERO = "echo '{\"reward\": 0}'"

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import click
 import pytest
 from pydantic import ValidationError
 
-from trainer.cli import load_job
 from trainer.config import TrainerConfig
 
 
@@ -83,19 +81,3 @@ def test_missing_model_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValidationError) as info:
         TrainerConfig(model_dir=tmp_path / "nope")
     assert info.value.errors()[0]["loc"] == ("model_dir",)
-
-
-def test_job_file_errors_name_table_and_field(tmp_path: Path, tiny_model_dir: Path) -> None:
-    job = tmp_path / "job.toml"
-    job.write_text(f'[trainer]\nmodel_dir = "{tiny_model_dir}"\nmax_staleness = -2\n[pool]\nurl = "sqlite:///x.db"\n')
-    with pytest.raises(click.ClickException) as info:
-        load_job(job)
-    assert "trainer.max_staleness" in info.value.message
-
-
-def test_job_file_paths_are_relative_to_the_file(tmp_path: Path, tiny_model_dir: Path) -> None:
-    (tmp_path / "jobs").mkdir()
-    job = tmp_path / "jobs" / "job.toml"
-    job.write_text(f'[trainer]\nmodel_dir = "{tiny_model_dir}"\noutput_dir = "out"\n[other]\nx = 1\n')
-    spec = load_job(job)
-    assert spec.trainer.output_dir == tmp_path / "jobs" / "out" and spec.pool.url == "sqlite:///pool.db"

@@ -1,0 +1,77 @@
+"""One job loader for `stepline run`, `train`, `replay` and `eval`: a bad field fails at load, named the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from stepline.cli import main
+from stepline.job import JobError, load_job
+
+
+def test_a_bad_trainer_field_is_named_at_load(tmp_path: Path) -> None:
+    """No model yet (stepline run fills in model_dir later), yet names, types and ranges are checked now."""
+    job = tmp_path / "job.toml"
+    job.write_text('[trainer]\nlr = 0\nclip_hi = 0.3\ngroups_per_update = "eight"\n[sft.trainer]\nepochs = 0\n')
+    with pytest.raises(JobError) as info:
+        load_job(job)
+    lines = str(info.value).splitlines()
+    assert lines[0] == f"invalid job file {job}:"
+    assert sorted(lines[1:]) == [
+        "  sft.trainer.epochs: Input should be greater than or equal to 1",
+        "  trainer.clip_hi: Extra inputs are not permitted",
+        "  trainer.groups_per_update: Input should be a valid integer, unable to parse string as an integer",
+        "  trainer.lr: Input should be greater than 0",
+    ]
+
+
+def test_good_trainer_fields_load_as_their_types(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('[trainer]\nlr = 1\nbetas = [0.8, 0.9]\nadvantage = "grpo"\n')
+    assert load_job(job).trainer == {"lr": 1.0, "betas": (0.8, 0.9), "advantage": "grpo"}  # only what was given
+
+
+def test_train_and_run_give_the_same_error_for_a_bad_field(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('[trainer]\nmodel_dir = "model"\nlr = -1\n[pool]\nurl = "sqlite:///never-created.db"\n')
+    expected = f"invalid job file {job}:\n  trainer.lr: Input should be greater than 0"
+    for command in ("train", "replay", "run"):
+        args = [command, str(job), *(["--pool", str(job)] if command == "replay" else [])]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and f"Error: {expected}\n" in result.output, (command, result.output)
+    assert not (tmp_path / "never-created.db").exists()
+
+
+def test_train_names_the_fields_it_needs_filled_in(tmp_path: Path) -> None:
+    """`stepline train` builds the whole TrainerConfig: a model_dir that is not a model fails, same format."""
+    job = tmp_path / "job.toml"
+    job.write_text('[trainer]\nmodel_dir = "nowhere"\n')
+    result = CliRunner().invoke(main, ["train", str(job)])
+    assert result.exit_code == 1
+    assert f"invalid job file {job}:\n  trainer.model_dir: Value error, no Hugging Face model at" in result.output
+
+
+def test_trainer_paths_are_relative_to_the_file(tmp_path: Path, tiny_model_dir: Path) -> None:
+    (tmp_path / "jobs").mkdir()
+    job = tmp_path / "jobs" / "job.toml"
+    job.write_text(f'[trainer]\nmodel_dir = "{tiny_model_dir}"\noutput_dir = "out"\n[sft.trainer]\noutput_dir = "s"\n')
+    cfg = load_job(job)
+    assert cfg.trainer["output_dir"] == tmp_path / "jobs" / "out" and cfg.trainer["model_dir"] == tiny_model_dir
+    assert cfg.sft.trainer["output_dir"] == tmp_path / "jobs" / "s" and cfg.pool.url == "sqlite:///pool.db"
+
+
+def test_an_unknown_table_is_refused_for_every_command(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('[trainer]\nlr = 0.1\n[pools]\nurl = "sqlite:///x.db"\n')  # [pool] misspelt
+    with pytest.raises(JobError, match="pools: Extra inputs are not permitted"):
+        load_job(job)
+
+
+def test_a_trainer_table_of_the_wrong_shape_is_named(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('sft = 3\ntrainer = "x"\n')
+    with pytest.raises(JobError) as info:
+        load_job(job)
+    assert "  sft: Input should be" in str(info.value) and "  trainer: Input should be" in str(info.value)
