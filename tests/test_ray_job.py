@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SHORT_JOB = {  # the shortened main job of tests/e2e/conftest.py
     "rl_updates": 2, "model.kind": "tiny", "model.hidden_size": 32, "model.num_layers": 1,
-    "sft.demos_per_harness": 2, "sft.trainer": {"epochs": 2, "groups_per_update": 6, "lr": 3e-3, "tensorboard": False},
+    "sft.demos_per_harness": 2, "sft.demos": {}, "sft.trainer": {"epochs": 2, "groups_per_update": 6, "lr": 3e-3, "tensorboard": False},
     "trainer.groups_per_update": 2, "trainer.minibatches": 1, "trainer.micro_batch_episodes": 4,
     "trainer.dynamic_sampling": False,
     "rollout.group_size": 2, "rollout.max_concurrency": 4, "eval.limit": 1, "services.engine_threads": 1,

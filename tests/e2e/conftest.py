@@ -19,7 +19,7 @@ def main_job_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     cfg = load_job(ROOT / "examples" / "quickstart.toml", {
         "run_dir": str(run_dir), "rl_updates": 2,
         "model.kind": "tiny", "model.hidden_size": 32, "model.num_layers": 1,
-        "sft.demos_per_harness": 2, "sft.trainer": {"epochs": 2, "groups_per_update": 6, "lr": 3e-3,
+        "sft.demos_per_harness": 2, "sft.demos": {}, "sft.trainer": {"epochs": 2, "groups_per_update": 6, "lr": 3e-3,
                                                     "tensorboard": False},
         "trainer.groups_per_update": 2, "trainer.minibatches": 1, "trainer.micro_batch_episodes": 4, "trainer.dynamic_sampling": False,
         "trainer.train_layers": None,

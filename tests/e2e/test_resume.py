@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--set", "rl_updates=3", "--set", "model.kind=tiny", "--set", "model.hidden_size=32", "--set", "model.num_layers=1",
          "--set", "trainer.train_layers=1", "--set", "trainer.dynamic_sampling=false",
-         "--set", "sft.demos_per_harness=1", "--set", "sft.trainer.groups_per_update=3",
+         "--set", "sft.demos_per_harness=1", "--set", "sft.demos={}", "--set", "sft.trainer.groups_per_update=3",
          "--set", "sft.trainer.minibatches=1", "--set", "sft.trainer.epochs=1",
          "--set", "trainer.groups_per_update=1", "--set", "trainer.minibatches=1", "--set", "rollout.group_size=2", "--set", "eval.limit=1"]
 

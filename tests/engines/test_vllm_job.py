@@ -58,7 +58,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, d
         "run_dir": str(run_dir), "rl_updates": 2,
         "model.kind": "tiny", "model.vllm_compatible": True, "model.hidden_size": 128, "model.num_heads": 2,
         "model.num_kv_heads": 1, "model.num_layers": 1,
-        "sft.demos_per_harness": 2, "sft.trainer": {"epochs": 1, "groups_per_update": 6, "lr": 3e-3,
+        "sft.demos_per_harness": 2, "sft.demos": {}, "sft.trainer": {"epochs": 1, "groups_per_update": 6, "lr": 3e-3,
                                                     "tensorboard": False},
         "services.engine_kind": "vllm", "services.engine_dtype": "float32", "services.engine_threads": 1,
         "services.vllm_args": ["--max-num-seqs", "16", "-O0"], "services.startup_timeout_s": 1500.0,
