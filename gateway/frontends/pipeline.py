@@ -47,7 +47,7 @@ from gateway.parsers import parser_spec
 from gateway.parsers.base import Event, ParsedOutput, StreamParser, ToolSpecs
 from gateway.parsers.stream import collect
 from gateway.profile import ModelProfile
-from gateway.recorder import Recorder, observe_call, observe_error
+from gateway.recorder import GatewayMetrics, Recorder
 from gateway.sessions import Prompt, Session, SessionStore
 from gateway.templating import ChatTemplate, Message, TemplateError
 
@@ -120,9 +120,9 @@ class Exchange:
 Handler = Callable[["Core", web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_boundary(flavour: Callable[[str], Flavour], label: Callable[[str], str]) -> Any:
+def error_boundary(metrics: GatewayMetrics, flavour: Callable[[str], Flavour], label: Callable[[str], str]) -> Any:
     """The app's middleware: every failure becomes an answer in the caller's API format (`flavour` of
-    the path), counted under `label` of the path; nothing escapes as a bare 500."""
+    the path), counted in the app's `metrics` under `label` of the path; nothing escapes as a bare 500."""
 
     @web.middleware
     async def errors(request: web.Request,
@@ -130,17 +130,17 @@ def error_boundary(flavour: Callable[[str], Flavour], label: Callable[[str], str
         try:
             return await handler(request)
         except ApiError as err:
-            observe_error(label(request.path), err.status)
+            metrics.observe_error(label(request.path), err.status)
             return error_response(flavour(request.path), err)
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
             if exc.status < 400:
                 raise
-            observe_error(label(request.path), exc.status)
+            metrics.observe_error(label(request.path), exc.status)
             message = "the request body is too large" if exc.status == 413 else exc.reason
             return error_response(flavour(request.path), ApiError(exc.status, message))
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            observe_error(label(request.path), 500)
+            metrics.observe_error(label(request.path), 500)
             return error_response(flavour(request.path), ApiError(500, "internal gateway error (logged)"))
 
     return errors
@@ -172,6 +172,7 @@ class Core:
         self.gate = gate
         self.template = template
         self.profile = profile
+        self.metrics = GatewayMetrics(router, recorder, gate)  # this app's own registry
         strict = settings.strict_template or not profile.append_only
         self.sessions = SessionStore(template, strict, settings.max_live_sessions)
         self.context_length = settings.context_length or template.context_length
@@ -404,9 +405,9 @@ class Core:
         timings = ex.timings
         first = timings["first_token"] - timings["received"] if "first_token" in timings else None
         for gen in gens:
-            observe_call(ex.api, stream, gen.finish_reason, timings["done"] - timings["received"],
-                                 prompt_tokens=len(ex.prompt.ids), completion_tokens=len(gen.output_ids),
-                                 first_token_seconds=first)
+            self.metrics.observe_call(ex.api, stream, gen.finish_reason, timings["done"] - timings["received"],
+                                      prompt_tokens=len(ex.prompt.ids), completion_tokens=len(gen.output_ids),
+                                      first_token_seconds=first)
 
 
 class EngineStream:
