@@ -64,7 +64,8 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
     if settings.inject_tools and not profile.tools_supported:
         template = template.with_tool_injection(injector(profile.tool_parser))
     core = Core(settings, router, recorder, gate, template, profile)
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_boundary(core.metrics, _flavour, _api)])
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=[error_boundary(core.metrics.observe_error, _flavour, _api)])
     app[CORE_KEY] = core
     app.cleanup_ctx.append(_reaping(core))
     for prefix in ("/v1", "/s/{session}/v1"):
