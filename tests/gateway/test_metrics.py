@@ -84,3 +84,18 @@ async def test_two_gateways_in_one_process_count_apart(tiny_model_dir: Path, tmp
         assert sample(text, "stepline_gateway_calls_total", api="chat.completions", finish_reason="stop") == 1
         assert sample(text, "stepline_gateway_call_seconds_count", api="chat.completions", stream="false") == 1
         assert sample(text, "stepline_gateway_records_written_total") == 1
+
+
+async def test_a_completions_batch_counts_each_prompt(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tok = tokenizer(tiny_model_dir)
+    async with fake_engine(tok, ["one", "two"]) as url, serve(tiny_model_dir, [url], tmp_path) as gateway:
+        s = await gateway.session()
+        async with httpx.AsyncClient(base_url=gateway.url) as client:
+            answer = await client.post(f"/s/{s['session_id']}/v1/completions",
+                                       json={"model": "m", "prompt": [[1, 2, 3], [4, 5, 6, 7, 8]]},
+                                       headers={"Authorization": f"Bearer {s['api_key']}"})
+            assert answer.status_code == 200, answer.text
+            text = (await client.get("/metrics")).text
+    assert answer.json()["usage"]["prompt_tokens"] == 8
+    assert sample(text, "stepline_gateway_tokens_total", kind="prompt") == 8  # 3 + 5, not twice the first
+    assert sample(text, "stepline_gateway_calls_total", api="completions", finish_reason="stop") == 2
