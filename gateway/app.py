@@ -28,7 +28,7 @@ from gateway.frontends.errors import Flavour
 from gateway.frontends.pipeline import Core, Handler, error_boundary, model_route
 from gateway.frontends.session_routes import SessionRoutes
 from gateway.profile import detect
-from gateway.recorder import Recorder, metrics_routes
+from gateway.recorder import Recorder
 from gateway.templating import load_template
 from gateway.tool_prompt import injector
 
@@ -64,7 +64,8 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
     if settings.inject_tools and not profile.tools_supported:
         template = template.with_tool_injection(injector(profile.tool_parser))
     core = Core(settings, router, recorder, gate, template, profile)
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_boundary(_flavour, _api)])
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=[error_boundary(core.metrics.observe_error, _flavour, _api)])
     app[CORE_KEY] = core
     app.cleanup_ctx.append(_reaping(core))
     for prefix in ("/v1", "/s/{session}/v1"):
@@ -75,7 +76,7 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
     app.router.add_routes(SessionRoutes(core).routes())
     app.router.add_get("/health", model_route(core, health))
     app.router.add_routes(admin_routes(gate, settings.admin_token))
-    app.router.add_routes(metrics_routes(router))
+    app.router.add_routes(core.metrics.routes())  # this app's registry only
     return app
 
 

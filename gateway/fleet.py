@@ -39,11 +39,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 
 from gateway.engines import EngineClient, EngineError, EngineUnavailable
-from gateway.recorder import IN_FLIGHT, WEIGHT_UPDATES, WEIGHT_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -183,14 +182,13 @@ class WeightGate:
         self.in_flight = 0
         self.updating = False
         self.last_error: str | None = None
+        self.updates: Counter[str] = Counter()  # weight updates by result: ok | failed (the app's metrics)
         self._open = asyncio.Event()
         self._open.set()
         self._drained = asyncio.Event()
         self._drained.set()
         self._swap = asyncio.Lock()  # an update and an engine's catch-up (resync) never interleave
         router.on_recovery = self.resync
-        WEIGHT_VERSION.set(initial_version)
-        IN_FLIGHT.set_function(lambda: self.in_flight)
 
     def admit(self) -> _Admission:
         """Waits while an update runs (<= max_wait, then raises Paused); yields the version stamped
@@ -211,7 +209,7 @@ class WeightGate:
                 await self._update_all(path, version)
         except Exception as exc:
             self.last_error = str(exc)
-            WEIGHT_UPDATES.labels("failed").inc()
+            self.updates["failed"] += 1
             log.error(
                 "weight update to version %d (%s) failed; version %d keeps serving: %s",
                 version,
@@ -224,8 +222,7 @@ class WeightGate:
             self.updating = False
             self._open.set()
         self.version, self.path, self.last_error = version, path, None
-        WEIGHT_VERSION.set(version)
-        WEIGHT_UPDATES.labels("ok").inc()
+        self.updates["ok"] += 1
         log.info("weights updated to version %d from %s", version, path)
         return version
 

@@ -2,9 +2,10 @@
 
 ## Metrics
 
-Prometheus metrics of the gateway (default registry) and the `GET /metrics` route. The pipeline calls
-`observe_call` once per finished model call and `observe_error` per error answer; the recorder below and
-the weight gate (gateway/fleet.py) keep their own gauges up to date.
+`GatewayMetrics`: one gateway app's Prometheus metrics, on its own registry, and its `GET /metrics`
+route (two gateways in one process count apart). The pipeline calls `observe_call` once per finished
+model call and `observe_error` per error answer; what the recorder below and the weight gate
+(gateway/fleet.py) count is their own state, read at scrape time.
 
 ## The recorder
 
@@ -43,14 +44,25 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import zstandard
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from typing_extensions import TypedDict, Unpack
 
 from datapool.base import Pool, PoolError, is_unavailable
@@ -58,7 +70,7 @@ from datapool.records import CallRecord, Reward, SessionInfo
 from gateway.spill import Spill
 
 if TYPE_CHECKING:
-    from gateway.fleet import EngineRouter
+    from gateway.fleet import EngineRouter, WeightGate
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -66,24 +78,6 @@ R = TypeVar("R")
 # --- metrics ---
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-
-CALLS = Counter("stepline_gateway_calls", "Model calls served", ["api", "finish_reason"])
-ERRORS = Counter("stepline_gateway_errors", "Requests answered with an error", ["api", "status"])
-LATENCY = Histogram(
-    "stepline_gateway_call_seconds", "Call latency, received to answered", ["api", "stream"], buckets=_LATENCY_BUCKETS
-)
-FIRST_TOKEN = Histogram(
-    "stepline_gateway_first_token_seconds", "Time to the first streamed token", ["api"], buckets=_LATENCY_BUCKETS
-)
-TOKENS = Counter("stepline_gateway_tokens", "Tokens through the gateway", ["kind"])  # prompt | completion
-IN_FLIGHT = Gauge("stepline_gateway_in_flight", "Model calls being served now")
-WEIGHT_VERSION = Gauge("stepline_gateway_weight_version", "Weight version new calls are stamped with")
-WEIGHT_UPDATES = Counter("stepline_gateway_weight_updates", "Weight updates", ["result"])  # ok | failed
-QUEUE_DEPTH = Gauge("stepline_gateway_record_queue_depth", "Records waiting for the pool")
-RECORDS_WRITTEN = Counter("stepline_gateway_records_written", "Call records committed to the pool")
-RECORDS_DROPPED = Counter("stepline_gateway_records_dropped", "Call records the pool refused as invalid (logged)")
-POOL_ERRORS = Counter("stepline_gateway_pool_errors", "Failed pool writes (retried)")
-ENGINE_UP = Gauge("stepline_gateway_engine_up", "1 when the engine passes its health check", ["engine"])
 
 
 class CallSizes(TypedDict, total=False):
@@ -94,30 +88,81 @@ class CallSizes(TypedDict, total=False):
     first_token_seconds: float | None
 
 
-def observe_call(api: str, stream: bool, finish_reason: str, seconds: float, **sizes: Unpack[CallSizes]) -> None:
-    """Count one finished model call."""
-    CALLS.labels(api, finish_reason).inc()
-    LATENCY.labels(api, "true" if stream else "false").observe(seconds)
-    TOKENS.labels("prompt").inc(sizes.get("prompt_tokens", 0))
-    TOKENS.labels("completion").inc(sizes.get("completion_tokens", 0))
-    if (first := sizes.get("first_token_seconds")) is not None:
-        FIRST_TOKEN.labels(api).observe(first)
+class GatewayMetrics:
+    """One gateway app's Prometheus metrics, on a registry of its own (two gateways in one process
+    count apart). The pipeline pushes each call and error answer; the state of the parts (the weight
+    gate's version, calls in flight and updates, the recorder's queue and counts, engine health) is read
+    from them when `/metrics` is scraped."""
+
+    def __init__(self, router: EngineRouter, recorder: Recorder, gate: WeightGate) -> None:
+        self.registry = CollectorRegistry()
+        self.calls = Counter("stepline_gateway_calls", "Model calls served", ["api", "finish_reason"],
+                             registry=self.registry)
+        self.errors = Counter("stepline_gateway_errors", "Requests answered with an error", ["api", "status"],
+                              registry=self.registry)
+        self.latency = Histogram("stepline_gateway_call_seconds", "Call latency, received to answered",
+                                 ["api", "stream"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.first_token = Histogram("stepline_gateway_first_token_seconds", "Time to the first streamed token",
+                                     ["api"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tokens = Counter("stepline_gateway_tokens", "Tokens through the gateway", ["kind"],  # prompt | completion
+                              registry=self.registry)
+        self.registry.register(_PartsCollector(router, recorder, gate))
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):  # as on the default registry
+            collector(registry=self.registry)
+
+    def observe_call(self, api: str, stream: bool, finish_reason: str, seconds: float,
+                     **sizes: Unpack[CallSizes]) -> None:
+        """Count one finished model call."""
+        self.calls.labels(api, finish_reason).inc()
+        self.latency.labels(api, "true" if stream else "false").observe(seconds)
+        self.tokens.labels("prompt").inc(sizes.get("prompt_tokens", 0))
+        self.tokens.labels("completion").inc(sizes.get("completion_tokens", 0))
+        if (first := sizes.get("first_token_seconds")) is not None:
+            self.first_token.labels(api).observe(first)
+
+    def observe_error(self, api: str, status: int) -> None:
+        self.errors.labels(api, str(status)).inc()
+
+    def routes(self) -> list[web.RouteDef]:
+        """`GET /metrics`: this app's registry in the Prometheus text format."""
+
+        async def metrics(request: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        return [web.get("/metrics", metrics)]
 
 
-def observe_error(api: str, status: int) -> None:
-    ERRORS.labels(api, str(status)).inc()
+class _PartsCollector(Collector):
+    """The metrics the gateway's parts keep as their own state, read at scrape time."""
 
+    def __init__(self, router: EngineRouter, recorder: Recorder, gate: WeightGate) -> None:
+        self.router, self.recorder, self.gate = router, recorder, gate
+        self.created = time.time()  # the counters' `_created`, as prometheus_client's own counters have
 
-def metrics_routes(router: EngineRouter | None = None) -> list[web.RouteDef]:
-    """`GET /metrics` in the Prometheus text format (engine health refreshed at scrape time)."""
+    def collect(self) -> Iterable[Metric]:
+        gate, recorder, created = self.gate, self.recorder, self.created
+        yield GaugeMetricFamily("stepline_gateway_in_flight", "Model calls being served now", gate.in_flight)
+        yield GaugeMetricFamily("stepline_gateway_weight_version", "Weight version new calls are stamped with",
+                                gate.version)
+        updates = CounterMetricFamily("stepline_gateway_weight_updates", "Weight updates", labels=["result"])
+        for result, count in gate.updates.items():  # ok | failed
+            updates.add_metric([result], count, created=created)
+        yield updates
+        yield GaugeMetricFamily("stepline_gateway_record_queue_depth", "Records waiting for the pool",
+                                recorder.depth())
+        for name, doc, value in (
+            ("records_written", "Call records committed to the pool", recorder.written),
+            ("records_dropped", "Call records the pool refused as invalid (logged)", recorder.dropped),
+            ("pool_errors", "Failed pool writes (retried)", recorder.pool_errors),
+        ):
+            yield CounterMetricFamily(f"stepline_gateway_{name}", doc, value, created=created)
+        engines = GaugeMetricFamily("stepline_gateway_engine_up", "1 when the engine passes its health check",
+                                    labels=["engine"])
+        for url, ok in self.router.healthy.items():
+            engines.add_metric([url], 1 if ok else 0)
+        yield engines
 
-    async def metrics(request: web.Request) -> web.Response:
-        if router is not None:
-            for url, ok in router.healthy.items():
-                ENGINE_UP.labels(url).set(1 if ok else 0)
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    return [web.get("/metrics", metrics)]
+    describe = collect  # the registry checks the names for clashes
 
 
 # --- the recorder ---
@@ -176,7 +221,6 @@ class Recorder:
     async def start(self) -> None:
         if self._thread is not None:  # already running (start may be called by the app and its runner)
             return
-        QUEUE_DEPTH.set_function(self.depth)
         if self.spill is not None:  # an earlier run's spilled calls go first, before anything new
             for record in self.spill.load():
                 self._pending.append(_Item("call", record, spilled=True))
@@ -265,7 +309,6 @@ class Recorder:
                     self._fail(exc)
                     return
                 self.pool_errors += 1  # the pool is down: keep the batch, back off, retry
-                POOL_ERRORS.inc()
                 backoff = min(self.max_backoff, max(0.05, backoff * 2))
                 log.warning("pool write failed (%r); %d records queued, retry in %.2f s", exc, self.depth(), backoff)
                 self._spill_pending()
@@ -431,12 +474,10 @@ class Recorder:
     def _refuse(self, record: CallRecord) -> None:
         self._pop(1)
         self.dropped += 1
-        RECORDS_DROPPED.inc()
         log.error("pool refused call %s/%d as invalid; not recorded", record.session_id, record.call_index)
 
     def _count_written(self, n: int) -> None:
         self.written += n
-        RECORDS_WRITTEN.inc(n)
 
     def _fail(self, exc: Exception) -> None:
         self.failure = exc

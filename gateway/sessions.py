@@ -3,6 +3,13 @@
 A call is attributed to a session by its URL (`/s/<id>/v1/...`), by its session key (Bearer or
 x-api-key) on `/v1/...`, or by an `X-Session-Id` header. A session key acts on its own session only.
 
+## Keys
+
+Every route reads the key a request carries with `bearer_key` and compares it with the admin token with
+`is_admin_key`: the model routes, the session routes and the admin routes alike, so a missing, empty or
+non-Bearer `Authorization` (with no `x-api-key`) is no key everywhere. `admin_allowed` is the rule of the
+admin routes and of `POST /sessions`: open when no admin token is configured, else only to that token.
+
 ## Token memory: token in, token out
 
 The prompt ids of each call reuse the exact ids of the session's earlier calls (`TokenState`; `TextMemory` for
@@ -35,12 +42,14 @@ calls diverge at the first differing token.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import secrets
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +61,24 @@ from gateway.forks import Replay
 from gateway.templating import ChatTemplate, Message
 
 log = logging.getLogger(__name__)
+
+
+def bearer_key(headers: Mapping[str, str]) -> str | None:
+    """The key of a request's headers: `Authorization: Bearer <key>`, else `x-api-key`; None when empty."""
+    auth = headers.get("Authorization")
+    if auth and auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return headers.get("x-api-key") or None
+
+
+def is_admin_key(key: str | None, admin_token: str | None) -> bool:
+    """The key is the configured admin token (compared in constant time); never when none is configured."""
+    return admin_token is not None and key is not None and hmac.compare_digest(key.encode(), admin_token.encode())
+
+
+def admin_allowed(key: str | None, admin_token: str | None) -> bool:
+    """The admin routes and `POST /sessions`: open without an admin token, else only to it."""
+    return admin_token is None or is_admin_key(key, admin_token)
 
 
 @dataclass

@@ -130,7 +130,8 @@ async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     answer = job.answer(choices, sum(len(p.ids) for p in prompts), sum(len(g.output_ids) for *_, g in flat))
     for i, j, gen in flat:
         job.commit(exchanges[i], j, gen, answer, isinstance(sources[i], str))
-    core.observe(exchanges[0], False, [g for *_, g in flat])
+    for ex, gens in zip(exchanges, results):  # each prompt's own tokens and timings
+        core.observe(ex, False, gens)
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hmac
 import logging
 import re
 import time
@@ -47,8 +46,8 @@ from gateway.parsers import parser_spec
 from gateway.parsers.base import Event, ParsedOutput, StreamParser, ToolSpecs
 from gateway.parsers.stream import collect
 from gateway.profile import ModelProfile
-from gateway.recorder import Recorder, observe_call, observe_error
-from gateway.sessions import Prompt, Session, SessionStore
+from gateway.recorder import GatewayMetrics, Recorder
+from gateway.sessions import Prompt, Session, SessionStore, bearer_key, is_admin_key
 from gateway.templating import ChatTemplate, Message, TemplateError
 
 log = logging.getLogger(__name__)
@@ -95,13 +94,6 @@ def check_int64(raw: bytes) -> None:
         raise invalid(f"{where}: integers must lie in the 64-bit range [-2^63, 2^63)", param=where)
 
 
-def bearer_key(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization")
-    if auth and auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
-    return request.headers.get("x-api-key") or None
-
-
 @dataclass
 class Exchange:
     """One model call on its way through the pipeline, built once per request (a Completions batch:
@@ -120,9 +112,10 @@ class Exchange:
 Handler = Callable[["Core", web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_boundary(flavour: Callable[[str], Flavour], label: Callable[[str], str]) -> Any:
+def error_boundary(count: Callable[[str, int], None], flavour: Callable[[str], Flavour],
+                   label: Callable[[str], str]) -> Any:
     """The app's middleware: every failure becomes an answer in the caller's API format (`flavour` of
-    the path), counted under `label` of the path; nothing escapes as a bare 500."""
+    the path), counted (`count(label of the path, status)`: the app's metrics); nothing escapes as a bare 500."""
 
     @web.middleware
     async def errors(request: web.Request,
@@ -130,17 +123,17 @@ def error_boundary(flavour: Callable[[str], Flavour], label: Callable[[str], str
         try:
             return await handler(request)
         except ApiError as err:
-            observe_error(label(request.path), err.status)
+            count(label(request.path), err.status)
             return error_response(flavour(request.path), err)
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
             if exc.status < 400:
                 raise
-            observe_error(label(request.path), exc.status)
+            count(label(request.path), exc.status)
             message = "the request body is too large" if exc.status == 413 else exc.reason
             return error_response(flavour(request.path), ApiError(exc.status, message))
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            observe_error(label(request.path), 500)
+            count(label(request.path), 500)
             return error_response(flavour(request.path), ApiError(500, "internal gateway error (logged)"))
 
     return errors
@@ -172,6 +165,7 @@ class Core:
         self.gate = gate
         self.template = template
         self.profile = profile
+        self.metrics = GatewayMetrics(router, recorder, gate)  # this app's own registry
         strict = settings.strict_template or not profile.append_only
         self.sessions = SessionStore(template, strict, settings.max_live_sessions)
         self.context_length = settings.context_length or template.context_length
@@ -185,9 +179,9 @@ class Core:
         key (or the admin token). The id alone is an address, not a credential: no key → 401, a key
         for another session → 403."""
         session_id = request.match_info.get("session") or request.headers.get("X-Session-Id")
-        key = bearer_key(request)
+        key = bearer_key(request.headers)
         keyed = self.sessions.by_key(key) if key else None
-        if keyed is None and not self._is_admin(key):
+        if keyed is None and not is_admin_key(key, self.settings.admin_token):
             raise ApiError(401, "send the session's API key (Authorization: Bearer <key> or x-api-key)"
                            if key is None else "this API key is not a session's", code="invalid_api_key")
         if session_id is None:
@@ -205,10 +199,6 @@ class Core:
             raise ApiError(409, f"session {session.info.session_id} has ended", code="session_ended")
         self.sessions.touch(session)
         return session
-
-    def _is_admin(self, key: str | None) -> bool:
-        token = self.settings.admin_token
-        return token is not None and key is not None and hmac.compare_digest(key.encode(), token.encode())
 
     async def read_body(self, request: web.Request) -> bytes:
         """The body, decompressed: too large → 413 (aiohttp counts it as it streams in); slower
@@ -404,9 +394,9 @@ class Core:
         timings = ex.timings
         first = timings["first_token"] - timings["received"] if "first_token" in timings else None
         for gen in gens:
-            observe_call(ex.api, stream, gen.finish_reason, timings["done"] - timings["received"],
-                                 prompt_tokens=len(ex.prompt.ids), completion_tokens=len(gen.output_ids),
-                                 first_token_seconds=first)
+            self.metrics.observe_call(ex.api, stream, gen.finish_reason, timings["done"] - timings["received"],
+                                      prompt_tokens=len(ex.prompt.ids), completion_tokens=len(gen.output_ids),
+                                      first_token_seconds=first)
 
 
 class EngineStream:

@@ -9,7 +9,6 @@ calls before `call` and samples from there.
 
 from __future__ import annotations
 
-import hmac
 import math
 import time
 from typing import Any, Literal
@@ -22,8 +21,8 @@ from datapool.base import PoolError, UnknownSession
 from datapool.records import FORK_KEY, Purpose, Reward
 from gateway.forks import Replay, recorded_prefix
 from gateway.frontends.errors import ApiError, from_validation
-from gateway.frontends.pipeline import Core, bearer_key
-from gateway.sessions import Session
+from gateway.frontends.pipeline import Core
+from gateway.sessions import Session, admin_allowed, bearer_key, is_admin_key
 
 
 class _Body(BaseModel):
@@ -71,11 +70,6 @@ class EndBody(_Body):
     status: Literal["completed", "failed", "aborted"] = "completed"
 
 
-def _is_admin(request: web.Request, admin_token: str | None) -> bool:
-    key = bearer_key(request)
-    return admin_token is not None and key is not None and hmac.compare_digest(key.encode(), admin_token.encode())
-
-
 def _parse(model: type[_Body], data: Any) -> Any:
     try:
         return model.model_validate(data)
@@ -98,7 +92,7 @@ class SessionRoutes:
                 web.post("/sessions/{session}/fork", self.fork)]
 
     async def create(self, request: web.Request) -> web.Response:
-        if self.admin_token is not None and not _is_admin(request, self.admin_token):
+        if not admin_allowed(bearer_key(request.headers), self.admin_token):
             raise ApiError(401, "creating a session needs the admin token (Authorization: Bearer <token>)")
         _, data = await self.core.read_json(request)
         body: NewSession = _parse(NewSession, data)
@@ -157,9 +151,9 @@ class SessionRoutes:
         session = self.core.sessions.get(sid)
         if session is None:
             raise ApiError(404, f"unknown session {sid!r}")
-        if _is_admin(request, self.admin_token):
+        key = bearer_key(request.headers)
+        if is_admin_key(key, self.admin_token):
             return session
-        key = bearer_key(request)
         if key is not None and key != session.api_key:
             raise ApiError(403, "this key may not act on this session")
         if key is None and self.admin_token is not None:

@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway.admin import admin_routes
 from gateway.engines import make_engine
 from gateway.fleet import EngineRouter, WeightGate
+from gateway.frontends.pipeline import error_boundary
 from gateway.testing import FakeEngine
 
 TOKEN = "s3cret"
@@ -23,7 +24,8 @@ async def setup() -> AsyncIterator[tuple[TestClient, FakeEngine, WeightGate]]:
     fake = FakeEngine()
     async with fake as url, aiohttp.ClientSession() as http:
         gate = WeightGate(EngineRouter([make_engine(url, "sglang", http, 5)]))
-        app = web.Application()
+        boundary = error_boundary(lambda api, status: None, lambda path: "openai", lambda path: "other")
+        app = web.Application(middlewares=[boundary])  # the app's: admin errors answer as every route's
         app.add_routes(admin_routes(gate, TOKEN))
         async with TestClient(TestServer(app, host="127.0.0.1")) as client:
             yield client, fake, gate
@@ -38,7 +40,8 @@ async def test_update_weights_with_the_admin_token(setup) -> None:
     assert (await resp.json())["weight_version"] == 1
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
+                                     {"Authorization": "Bearer "}, {"x-api-key": ""}])
 async def test_without_the_token_401(setup, headers) -> None:
     client, fake, gate = setup
     resp = await client.post("/admin/update_weights", json={"path": "/ckpt/1", "version": 1}, headers=headers)
@@ -71,9 +74,13 @@ async def test_not_newer_version_409_and_engine_failure_502(setup) -> None:
     client, fake, gate = setup
     resp = await client.post("/admin/update_weights", json={"path": "/x", "version": 0}, headers=AUTH)
     assert resp.status == 409
+    assert (await resp.json())["error"] == {  # the OpenAI format every other route answers in
+        "message": "version 0 is not newer than the serving version 0", "type": "conflict_error", "param": None,
+        "code": "update_refused"}
     fake.fail_updates = 1
     resp = await client.post("/admin/update_weights", json={"path": "/bad", "version": 1}, headers=AUTH)
     assert resp.status == 502
     message = (await resp.json())["error"]["message"]
     assert "version 0 keeps serving" in message and "cannot load /bad" in message
+    assert (await resp.json())["error"]["code"] == "engine_error"
     assert gate.version == 0
