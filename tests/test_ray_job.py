@@ -23,7 +23,7 @@ SHORT_JOB = {  # the shortened main job of tests/e2e/conftest.py
     "sft.demos_per_harness": 2, "sft.demos": {}, "sft.trainer": {"epochs": 2, "groups_per_update": 6, "lr": 3e-3, "tensorboard": False},
     "trainer.groups_per_update": 2, "trainer.minibatches": 1, "trainer.micro_batch_episodes": 4,
     "trainer.dynamic_sampling": False,
-    "rollout.group_size": 2, "rollout.max_concurrency": 4, "eval.limit": 1, "services.engine_threads": 1,
+    "rollout.group_size": 2, "rollout.harnesses.2.group_size": 2, "rollout.max_concurrency": 4, "eval.limit": 1, "services.engine_threads": 1,
 }
 CLUSTER = {"cluster.engines": 2, "cluster.gateways": 2, "cluster.rollout_workers": 2, "cluster.trainers": 2,
            # the surviving worker's episodes fail while its engine restarts (a minute or two on a busy machine):

@@ -14,7 +14,7 @@ SMALL = ["--set", "rl_updates=3", "--set", "model.kind=tiny", "--set", "model.hi
          "--set", "trainer.train_layers=1", "--set", "trainer.dynamic_sampling=false",
          "--set", "sft.demos_per_harness=1", "--set", "sft.demos={}", "--set", "sft.trainer.groups_per_update=3",
          "--set", "sft.trainer.minibatches=1", "--set", "sft.trainer.epochs=1",
-         "--set", "trainer.groups_per_update=1", "--set", "trainer.minibatches=1", "--set", "rollout.group_size=2", "--set", "eval.limit=1"]
+         "--set", "trainer.groups_per_update=1", "--set", "trainer.minibatches=1", "--set", "rollout.group_size=2", "--set", "rollout.harnesses.2.group_size=2", "--set", "eval.limit=1"]
 
 
 def start(run_dir: Path) -> subprocess.Popen:

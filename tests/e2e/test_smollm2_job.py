@@ -33,7 +33,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory, smollm2_model_dir: Pa
     cfg = load_job(ROOT / "examples" / "quickstart.toml", {
         "run_dir": str(run_dir), "rl_updates": 1, "model.dir": str(smollm2_model_dir),
         "sft.demos_per_harness": 8, "sft.demos": {}, "trainer.groups_per_update": 3, "trainer.minibatches": 1, "trainer.dynamic_sampling": False,
-        "rollout.group_size": 2, "eval.limit": 2,
+        "rollout.group_size": 2, "rollout.harnesses.2.group_size": 2, "eval.limit": 2,
     })
     return run_dir, run_job(cfg)
 

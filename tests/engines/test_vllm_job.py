@@ -67,7 +67,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, d
         "trainer.lr": 1e-3, "trainer.entropy_coef": 0.1, "trainer.groups_per_update": 2, "trainer.minibatches": 1,
         "trainer.micro_batch_episodes": 4, "trainer.dynamic_sampling": False, "trainer.train_layers": None,
         "trainer.autocast_bf16": False,
-        "rollout.group_size": 2, "rollout.max_concurrency": 4, "eval.limit": 1,
+        "rollout.group_size": 2, "rollout.harnesses.2.group_size": 2, "rollout.max_concurrency": 4, "eval.limit": 1,
     })
     seen: dict[str, dict] = {}
     evaluate = stepline.run.evaluate_once
