@@ -22,16 +22,17 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import click
 import httpx
 import pytest
 
 from gateway.testing import FakeEngine
 from stepline.models import VLLM_SHAPE, build_model
+from stepline.services import Child, wait_healthy
 
 VLLM_ENV = "STEPLINE_VLLM_PYTHON"
 VLLM_STARTUP_S = float(os.environ.get("STEPLINE_VLLM_STARTUP_S", "900"))
@@ -129,18 +130,11 @@ def _free_port() -> int:
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-            pytest.fail(f"vLLM exited with code {proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"vLLM did not become healthy within {timeout:g} s (log: {log})")
+    """stepline.services.wait_healthy, failing the test (with the log's tail) instead of the CLI."""
+    try:
+        wait_healthy(Child("vLLM", proc, log), url, timeout)
+    except click.ClickException as exc:
+        pytest.fail(exc.message)
 
 
 @pytest.fixture(params=BACKENDS)
