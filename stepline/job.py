@@ -173,6 +173,8 @@ class JobConfig(_Section):
     run_dir: Path = Field(Path("runs/job"), description="config, pool, metrics, checkpoints, plot and summary go here")
     seed: int = Field(0, description="seed of the job (model, rollouts, trainer)")
     rl_updates: int = Field(10, ge=0, description="policy updates of the RL phase")
+    rl_minutes: float | None = Field(None, gt=0, description="time bound of the RL phase, resumes included: no update "
+                                     "starts after it, and the evaluation after RL follows (None: none)")
     groups_ahead: int = Field(1, ge=1, description="finished rollout batches that may wait for the trainer")
     max_batches_per_update: int = Field(3, ge=1, description="rollout batches per RL update at most (dynamic sampling "
                                         "draws more when groups have no reward variance); then the job winds down")

@@ -77,9 +77,9 @@ def run_ray_job(cfg: JobConfig, address: str | None) -> dict[str, Any]:
             with run.phase("eval_before"):
                 evaluate_once(cfg, run, url, token, "before")
             with run.phase("rl"):
-                train_on_ray(cfg, run, rl_cfg, placed, pool_url, trainers)
+                updates = train_on_ray(cfg, run, rl_cfg, placed, pool_url, trainers)
             with run.phase("eval_after"):
-                evaluate_once(cfg, run, url, token, f"after-{cfg.rl_updates}")
+                evaluate_once(cfg, run, url, token, f"after-{updates}")
             report = cluster_report(placed, run)
     finally:
         ray.shutdown()
@@ -136,14 +136,15 @@ def engine_command(cfg: JobConfig, policy: Path) -> list[str]:
     return engine_spec(cfg.services, policy, "{port}", "{host}").to_argv()
 
 
-def train_on_ray(cfg: JobConfig, run: RunDir, tcfg: Any, placed: Placed, pool_url: str, trainers: list[Any]) -> None:
-    """Rollout workers (actors) and the trainer ranks (one actor each) until rl_updates updates are done."""
+def train_on_ray(cfg: JobConfig, run: RunDir, tcfg: Any, placed: Placed, pool_url: str, trainers: list[Any]) -> int:
+    """Rollout workers (actors) and the trainer ranks (one actor each) until rl_updates updates are done or the
+    time bound ends them; returns the updates done."""
     import ray
 
     from stepline.ray_parts import RolloutPart
 
     if cfg.rl_updates == 0:
-        return
+        return 0
     c = cfg.cluster
     share = -(-tcfg.groups_per_update // c.rollout_workers)  # each worker's groups per batch (ceil)
     workers = [actor(RolloutPart, f"stepline-rollout-{i}", c.rollout).remote(
@@ -159,7 +160,7 @@ def train_on_ray(cfg: JobConfig, run: RunDir, tcfg: Any, placed: Placed, pool_ur
                     for t in trainers]
         while len(ray.wait(training, num_returns=len(training), timeout=2.0)[0]) < len(training):
             lost.check()
-        ray.get(training)
+        return int(ray.get(training)[0]["update"])
     finally:
         errors = []
         for i, w in enumerate(workers):

@@ -73,10 +73,12 @@ def reward_quarters(rewards: list[float]) -> dict[str, float] | None:
     return {"first": sum(rewards[:k]) / k, "last": sum(rewards[-k:]) / k, "points_per_quarter": k}
 
 
-def summarise(root: Path, rl_updates: int) -> dict[str, Any]:
-    evals = dict(_evals(root))
-    before = _success(evals["before"]) if "before" in evals else {}
-    after = _success(evals[f"after-{rl_updates}"]) if f"after-{rl_updates}" in evals else {}
+def summarise(root: Path) -> dict[str, Any]:
+    """The run's summary: test success before RL and after its last update (`after-k` with the largest k)."""
+    evals = _evals(root)
+    before = _success(evals[0][1]) if evals and evals[0][0] == "before" else {}
+    last = evals[-1][1] if evals and evals[-1][0] != "before" else None
+    after = _success(last) if last else {}
     mean_sft, mean_rl = _mean_success(before), _mean_success(after)
     rollouts = json.loads((root / "rl" / "rollouts.json").read_text()) if (root / "rl" / "rollouts.json").is_file() else []
     metrics = _metrics(root)
@@ -93,7 +95,7 @@ def summarise(root: Path, rl_updates: int) -> dict[str, Any]:
         "train_reward_quarters": reward_quarters(batch_rewards(rollouts)),
         "rl_updates": len(metrics), "rl_episodes": len(rollouts),
         "rl_episodes_failed": sum(r["status"] == "failed" for r in rollouts),
-        "weight_version": evals[f"after-{rl_updates}"].get("weight_version") if after else None,
+        "weight_version": last.get("weight_version") if last else None,
     }
 
 

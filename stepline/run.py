@@ -52,6 +52,14 @@ class RunDir:
     def eval_file(self, tag: str) -> Path:
         return self.root / "eval" / f"{tag}.json"
 
+    def phases(self) -> dict[str, float]:
+        path = self.root / "phases.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def phase_seconds(self, name: str) -> float:
+        """Seconds this run directory's jobs have spent in a phase so far."""
+        return float(self.phases().get(name, 0.0))
+
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time a phase into phases.json (seconds; a resumed job adds to what the stopped one spent)."""
@@ -59,10 +67,9 @@ class RunDir:
         try:
             yield
         finally:
-            path = self.root / "phases.json"
-            phases = json.loads(path.read_text()) if path.is_file() else {}
+            phases = self.phases()
             phases[name] = round(phases.get(name, 0.0) + time.monotonic() - started, 1)
-            path.write_text(json.dumps(phases, indent=1))
+            (self.root / "phases.json").write_text(json.dumps(phases, indent=1))
 
 
 def run_job(cfg: JobConfig) -> dict[str, Any]:
@@ -74,9 +81,9 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
         with run.phase("eval_before"):
             evaluate_once(cfg, run, gateway_url, token, "before")
         with run.phase("rl"):
-            train_rl(cfg, run, rl_cfg)
+            updates = train_rl(cfg, run, rl_cfg)
         with run.phase("eval_after"):
-            evaluate_once(cfg, run, gateway_url, token, f"after-{cfg.rl_updates}")
+            evaluate_once(cfg, run, gateway_url, token, f"after-{updates}")
     return write_summary(cfg, run)
 
 
@@ -101,8 +108,15 @@ def trainer_configs(cfg: JobConfig, run: RunDir, base: Path) -> list[TrainerConf
            "output_dir": run.sft / "train"}
     rl = {"seed": cfg.seed, "checkpoint_every": 1, "idle_timeout": 10.0, **cfg.trainer, "mode": "rl",
           "progress": False, "model_dir": base, "output_dir": run.rl, "max_updates": max(cfg.rl_updates, 1),
-          "group_size": smallest_group(cfg.rollout)}
+          "group_size": smallest_group(cfg.rollout), "max_seconds": rl_seconds_left(cfg, run)}
     return [trainer_config(sft, "sft.trainer"), trainer_config(rl, "trainer")]
+
+
+def rl_seconds_left(cfg: JobConfig, run: RunDir) -> float | None:
+    """What is left of the RL phase's time bound after the time earlier runs of this job spent in it."""
+    if cfg.rl_minutes is None:
+        return None
+    return max(cfg.rl_minutes * 60 - run.phase_seconds("rl"), 0.001)
 
 
 def smallest_group(rollout: RolloutConfig) -> int:
@@ -221,8 +235,9 @@ def evaluate_once(cfg: JobConfig, run: RunDir, gateway_url: str, token: str, tag
     return report
 
 
-def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> None:
-    """Rollouts in a background thread, the trainer in this one, until rl_updates updates are done."""
+def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> int:
+    """Rollouts in a background thread, the trainer in this one, until rl_updates updates are done or the
+    time bound ends them; returns the updates done."""
     from datapool import open_pool
     from rollout.pacing import BackgroundRollouts
     from stepline.progress import RLProgress
@@ -230,7 +245,7 @@ def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> None:
     from trainer.weight_sync import GatewayWeightSync
 
     if cfg.rl_updates == 0:
-        return
+        return 0
     pool = open_pool(f"sqlite:///{run.pool_db}")
     sync = GatewayWeightSync(tcfg.gateway_url, tcfg.admin_token)
     rollouts = BackgroundRollouts(cfg.rollout, tcfg.gateway_url, tcfg.admin_token, run.root / "episodes", pool,
@@ -239,9 +254,10 @@ def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> None:
     try:
         with RLProgress(run.rl / "metrics.jsonl", rollouts, cfg.rl_updates):
             rollouts.start()
-            train(tcfg, pool, sync, producing=rollouts.running)  # a slow first batch is no reason to stop
+            state = train(tcfg, pool, sync, producing=rollouts.running)  # a slow first batch is no reason to stop
         if rollouts.error is not None:
             raise click.ClickException(f"the rollout driver failed: {rollouts.error!r}")
+        return state.update
     finally:
         rollouts.stop()
         save_rollouts(run.rl / "rollouts.json", rollouts.history)
@@ -260,9 +276,8 @@ def save_rollouts(path: Path, rows: list[dict[str, Any]]) -> None:
 def write_summary(cfg: JobConfig, run: RunDir) -> dict[str, Any]:
     from stepline.report import plot_run, summarise
 
-    summary = summarise(run.root, cfg.rl_updates)
-    phases = run.root / "phases.json"
-    summary["phases_s"] = json.loads(phases.read_text()) if phases.is_file() else {}
+    summary = summarise(run.root)
+    summary["phases_s"] = run.phases()
     plot = plot_run(run.root, run.root / "progress.png")
     summary["files"] = {
         "config": str(run.root / "job.json"), "metrics_jsonl": str(run.rl / "metrics.jsonl"),

@@ -75,3 +75,22 @@ def test_a_trainer_table_of_the_wrong_shape_is_named(tmp_path: Path) -> None:
     with pytest.raises(JobError) as info:
         load_job(job)
     assert "  sft: Input should be" in str(info.value) and "  trainer: Input should be" in str(info.value)
+
+
+def test_the_rl_time_bound_counts_what_earlier_runs_spent(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`rl_minutes` bounds the RL phase over resumes: the trainer gets what phases.json has not used up."""
+    import json
+
+    from stepline.run import RunDir, trainer_configs
+
+    job = tmp_path / "job.toml"
+    job.write_text("rl_minutes = 2\n")
+    cfg, run = load_job(job), RunDir(tmp_path / "run")
+    run.root.mkdir()
+    assert trainer_configs(cfg, run, tiny_model_dir)[1].max_seconds == 120
+    (run.root / "phases.json").write_text(json.dumps({"sft": 500.0, "rl": 100.0}))
+    assert trainer_configs(cfg, run, tiny_model_dir)[1].max_seconds == pytest.approx(20)
+    (run.root / "phases.json").write_text(json.dumps({"rl": 130.0}))
+    assert 0 < trainer_configs(cfg, run, tiny_model_dir)[1].max_seconds < 0.01  # spent: no update starts
+    job.write_text("rl_updates = 3\n")
+    assert trainer_configs(load_job(job), run, tiny_model_dir)[1].max_seconds is None

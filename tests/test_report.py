@@ -41,12 +41,13 @@ def test_summary_and_plot_from_a_run_directory(tmp_path):
     (tmp_path / "rl").mkdir()
     (tmp_path / "eval" / "before.json").write_text(json.dumps(_eval({"search": 0.2, "ui": 0.4}, 50, 0)))
     (tmp_path / "eval" / "after-4.json").write_text(json.dumps(_eval({"search": 0.5, "ui": 0.6}, 50, 4)))
+    (tmp_path / "eval" / "after-2.json").write_text(json.dumps(_eval({"search": 0.9, "ui": 0.9}, 50, 2)))
     metrics = [{"update": u, "reward_mean": 0.5} for u in range(1, 5)]
     (tmp_path / "rl" / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics))
     rollouts = [{"harness": h, "reward": 0.1 * b, "batch": b, "t": 10.0 * b, "status": "completed"}
                 for b in range(1, 5) for h in ("search", "ui")]
     (tmp_path / "rl" / "rollouts.json").write_text(json.dumps(rollouts))
-    summary = summarise(tmp_path, 4)
+    summary = summarise(tmp_path)  # after RL = the evaluation after the most updates
     assert summary["mean_sft"] == pytest.approx(0.3) and summary["mean_rl"] == pytest.approx(0.55)
     assert summary["improvement"] == pytest.approx(0.25)
     assert summary["test_tasks"] == {"search": 50, "ui": 50}

@@ -131,6 +131,8 @@ class TrainerConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping by global norm")
     max_updates: int | None = Field(None, ge=1, description="stop after this many updates (None: run until idle)")
     idle_timeout: float | None = Field(None, gt=0, description="stop when the pool has no ready group for this long")
+    max_seconds: float | None = Field(None, gt=0, description="no update starts after this many seconds of the loop "
+                                      "(a time budget; None: none)")
     poll_interval: float = Field(0.5, gt=0, description="seconds between claims when the pool has nothing ready")
 
     # --- weights, checkpoints, logs ---

@@ -13,6 +13,7 @@ or restarted) is waited out: no groups meanwhile, consumes sent again later (tra
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import Counter
@@ -44,7 +45,8 @@ __all__ = ["build_policy", "follow", "select_trainable", "train"]
 
 def train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool = False,
           producing: Callable[[], bool] | None = None, ranks: Ranks = SINGLE) -> TrainerState:
-    """Train until `max_updates`, or until the pool stays empty for `idle_timeout` (`offline`: at once).
+    """Train until `max_updates`, until `max_seconds` have passed, or until the pool stays empty for
+    `idle_timeout` (`offline`: at once).
     `producing`, where the caller runs the rollouts itself: while it answers True the loop waits for data
     however long a batch takes, and `idle_timeout` counts from when it turns False. With several `ranks`
     this is rank 0: it hands each batch to the others (`follow`), tells them when training ends, and writes
@@ -91,6 +93,7 @@ def _train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool,
     if state.version > 0:
         push_weights(cfg, policy, sync, state.version)  # engines may have restarted on the base weights
     idle_since = time.monotonic()
+    deadline = idle_since + cfg.max_seconds if cfg.max_seconds is not None else math.inf
     carried: Counter = Counter()  # skip counts of batches that had nothing to train
     forwarded = 0  # episodes this rank forwarded
     pending: list[Group] = []  # claimed groups waiting for a full batch (online, full_batches)
@@ -98,7 +101,7 @@ def _train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool,
     references = reference_ids(cfg.model_dir, cfg.reference_template) if cfg.advantage == "igpo" else lambda e: None
     with MetricsLog(cfg.output_dir, cfg.tensorboard) as log, progress_bar(cfg.max_updates, cfg.progress) as bar:
         bar.update(0, completed=state.update)
-        while cfg.max_updates is None or state.update < cfg.max_updates:
+        while (cfg.max_updates is None or state.update < cfg.max_updates) and time.monotonic() < deadline:
             trainable = sum(keep(g) is None for g in pending)
             groups = claim(claims, cfg, state, pending, offline, cfg.groups_per_update - trainable)
             if groups:

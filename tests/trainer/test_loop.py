@@ -133,3 +133,18 @@ def test_a_slow_producer_is_waited_for_while_it_runs(tiny_model_dir: Path, tmp_p
     producer.join()
     assert state.update == 1  # the late batch trained; then the producer was done and the pool stayed empty
     pool.close()
+
+
+def test_the_time_bound_ends_a_loop_that_would_wait_forever(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # A producer that never finishes and never delivers keeps the loop waiting; max_seconds ends it.
+    import time
+
+    from trainer.weight_sync import NoWeightSync
+
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}?synchronous=normal")
+    cfg = TrainerConfig(model_dir=tiny_model_dir, output_dir=tmp_path / "run", groups_per_update=2, max_updates=3,
+                        poll_interval=0.05, idle_timeout=0.1, max_seconds=0.5, progress=False, tensorboard=False)
+    started = time.monotonic()
+    state = train(cfg, pool, NoWeightSync(), producing=lambda: True)
+    assert state.update == 0 and time.monotonic() - started < 30
+    pool.close()
