@@ -6,7 +6,9 @@
 The base model and the SFT warm start are built once (OUT/shared, as `stepline run` builds them); then each
 algorithm runs the job's RL phase (engine, gateway, rollouts, trainer; no evaluation) from that same checkpoint,
 in its own run directory (OUT/<algorithm>), with the same seed and the same budget: `--updates` updates of the
-job's groups per update, each group the same number of episodes. Tree-GRPO spends its group on trees: G/2 root
+job's groups per update, each group the same number of episodes (the job's RL time bound does not apply; `--minutes`
+sets one for every algorithm). A directory OUT/shared that already holds a run's model-base, sft and model-sft
+(a finished `stepline run` of the same job and seed) is reused as it is. Tree-GRPO spends its group on trees: G/2 root
 episodes, each forked once at a random step boundary (the fork replays the steps before it, gateway/forks.py).
 
 Writes OUT/compare.png (training reward per rollout batch: the mean reward of every training episode, kept or
@@ -111,18 +113,20 @@ def plot(curves: dict[str, list[float]], title: str, out: Path) -> None:
 @click.option("--model", type=click.Choice(["job", "tiny"]), default="job", show_default=True,
               help="job: the job's own model; tiny: a tiny random-weight model and budget (a smoke run)")
 @click.option("--updates", type=click.IntRange(1), default=None, help="RL updates per algorithm (default: the job's)")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="time bound of each RL phase (default: none, the budget is the updates)")
 @click.option("--algorithms", default=",".join(ALGORITHMS), show_default=True, help="comma-separated subset")
 @click.option("--sapo-coef", type=float, default=0.1, show_default=True, help="SAPO's weight γ")
 @click.option("--sapo-tau", type=float, default=0.9, show_default=True, help="SAPO's ratio threshold τ")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=ROOT.parent / "runs" / "compare",
               show_default=True)
-def main(job: Path, model: str, updates: int | None, algorithms: str, sapo_coef: float, sapo_tau: float,
-         out: Path) -> None:
+def main(job: Path, model: str, updates: int | None, minutes: float | None, algorithms: str, sapo_coef: float,
+         sapo_tau: float, out: Path) -> None:
     names = [a.strip() for a in algorithms.split(",") if a.strip()]
     if unknown := sorted(set(names) - set(ALGORITHMS)):
         raise click.UsageError(f"unknown algorithms {unknown}; choose from {ALGORITHMS}")
     out = out.resolve()
-    common: dict[str, Any] = {**(TINY if model == "tiny" else {})}
+    common: dict[str, Any] = {**(TINY if model == "tiny" else {}), "rl_minutes": minutes}
     if updates is not None:
         common["rl_updates"] = updates
     started = time.monotonic()
