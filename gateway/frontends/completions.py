@@ -18,10 +18,12 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.engines import Generation, SamplingParams
+from gateway.engines import Generation, SamplingParams, StreamDelta
+from gateway.frontends import pipeline
 from gateway.frontends.chat import StreamOptions, sampling_of
 from gateway.frontends.errors import ApiError, error_body, invalid
-from gateway.frontends.pipeline import SSE_HEADERS, Core, Exchange, choice_seed, now
+from gateway.frontends.pipeline import Choice, Core, Exchange, choice_seed
+from gateway.parsers.base import Event, ParsedOutput
 from gateway.sessions import Prompt, Session
 
 
@@ -81,10 +83,9 @@ class Completions:
         top = [{t: lp} if self.req.logprobs else {} for t, lp in zip(tokens, lps)]
         return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": []}
 
-    def choice(self, index: int, gen: Generation, text: str | None = None) -> dict:
-        return {"index": index, "text": gen.text if text is None else text,
-                "logprobs": self.logprobs(gen.output_ids, gen.logprobs),
-                "finish_reason": "length" if gen.truncated else "stop"}
+    def choice(self, index: int, gen: Generation) -> dict:
+        return {"index": index, "text": gen.text, "logprobs": self.logprobs(gen.output_ids, gen.logprobs),
+                "finish_reason": finish_reason(gen)}
 
     def answer(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -94,10 +95,59 @@ class Completions:
     def exchange(self) -> Exchange:
         return Exchange(self.session, "completions", self.raw)
 
-    def commit(self, ex: Exchange, choice: int, gen: Generation, answer: dict, is_text: bool) -> None:
-        self.core.record(ex, choice, gen, answer)
-        if is_text:
-            self.session.texts.remember(ex.prompt, np.asarray(gen.output_ids, dtype=np.int32), gen.text)
+
+def finish_reason(gen: Generation) -> str:
+    return "length" if gen.truncated else "stop"
+
+
+def remember_text(ex: Exchange, choice: Choice) -> None:
+    """Completions' memory of turns: a text prompt + its answer text (`TextMemory`); an id prompt has no text."""
+    if ex.prompt.text:
+        gen = choice.generation
+        ex.session.texts.remember(ex.prompt, np.asarray(gen.output_ids, dtype=np.int32), gen.text)
+
+
+def _plain(gen: Generation) -> ParsedOutput:
+    return ParsedOutput(content=gen.text, reasoning=None, tool_calls=[])  # as `PlainText` parses it
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+class TextEmitter:
+    """A Completions stream, as the pipeline's `Emitter`: a `text_completion` chunk per engine delta (its
+    text and logprobs as sent: nothing is parsed), one with each choice's finish reason, the usage event."""
+
+    def __init__(self, job: Completions, include_usage: bool) -> None:
+        self.job = job
+        self.include_usage = include_usage
+
+    def _chunk(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> bytes:
+        job = self.job
+        body = {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        return _event({**body, "usage": None} if self.include_usage else body)
+
+    def answer(self, choices: list[Choice], prompt: Prompt) -> dict:
+        return self.job.answer([self.job.choice(c.index, c.generation) for c in choices],
+                               *pipeline.usage(prompt, choices))
+
+    def start(self, prompt: Prompt) -> bytes:
+        return b""
+
+    def events(self, index: int, events: list[Event], delta: StreamDelta) -> bytes:
+        return self._chunk(index, delta.text, self.job.logprobs(delta.output_ids, delta.logprobs), None)
+
+    def finish(self, index: int, final: Generation, parsed: ParsedOutput) -> bytes:
+        return self._chunk(index, "", None, finish_reason(final))
+
+    def end(self, choices: list[Choice], prompt: Prompt) -> bytes:
+        usage = _event(self.job.answer([], *pipeline.usage(prompt, choices))) if self.include_usage else b""
+        return usage + b"data: [DONE]\n\n"
+
+    def error(self, err: ApiError) -> bytes:
+        return _event(error_body("openai", err.status, err.message))
 
 
 async def handle(core: Core, request: web.Request) -> web.StreamResponse:
@@ -122,72 +172,19 @@ async def handle(core: Core, request: web.Request) -> web.StreamResponse:
     for ex, prompt in zip(exchanges, prompts):
         ex.prompt, ex.samplings = prompt, job.samplings(prompt)
     results = await asyncio.gather(*(core.generate(ex) for ex in exchanges))
-    choices, flat = [], []
-    for i, gens in enumerate(results):
-        for j, gen in enumerate(gens):
-            choices.append(job.choice(i * req.n + j, gen))
-            flat.append((i, j, gen))
-    answer = job.answer(choices, sum(len(p.ids) for p in prompts), sum(len(g.output_ids) for *_, g in flat))
-    for i, j, gen in flat:
-        job.commit(exchanges[i], j, gen, answer, isinstance(sources[i], str))
-    for ex, gens in zip(exchanges, results):  # each prompt's own tokens and timings
+    choices = [job.choice(i * req.n + j, gen) for i, gens in enumerate(results) for j, gen in enumerate(gens)]
+    completion = sum(len(gen.output_ids) for gens in results for gen in gens)
+    answer = job.answer(choices, sum(len(p.ids) for p in prompts), completion)
+    for ex, gens in zip(exchanges, results):  # each prompt's records, and its own tokens and timings
+        pipeline.commit(core, ex, [Choice(j, gen, _plain(gen)) for j, gen in enumerate(gens)], answer, remember_text)
         core.observe(ex, False, gens)
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 
 async def _stream(job: Completions, request: web.Request, source: str | list[int]) -> web.StreamResponse:
-    core = job.core
     ex = job.exchange()
-    timings = ex.timings
-    ex.prompt = prompt = await core.offload(len(job.raw), job.prompt, source)
-    ex.samplings = samplings = job.samplings(prompt)
-    upstream = await core.open_stream(ex)
-    include_usage = bool(job.req.stream_options and job.req.stream_options.include_usage)
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    finals: list[Generation | None] = [None] * len(samplings)
-
-    def event(body: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps(body) + b"\n\n"
-
-    def chunk(index: int, text: str, lp: dict | None, finish: str | None) -> bytes:
-        body = {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
-                "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}]}
-        return event({**body, "usage": None} if include_usage else body)
-
-    try:
-        await response.prepare(request)
-        async for index, delta in upstream:
-            timings.setdefault("first_token", now())
-            out = chunk(index, delta.text, job.logprobs(delta.output_ids, delta.logprobs), None)
-            if delta.final is not None:
-                finals[index] = delta.final
-                out += chunk(index, "", None, "length" if delta.final.truncated else "stop")
-            await response.write(out)
-        if any(f is None for f in finals):
-            raise ApiError(502, "engine: the stream ended without a final chunk", code="engine_error")
-        gens: list[Generation] = finals  # type: ignore[assignment]
-        completion = sum(len(g.output_ids) for g in gens)
-        timings["done"] = now()
-        # recorded before the last event: the harness holds a whole answer only once its record is durable
-        answer = job.answer([job.choice(i, g) for i, g in enumerate(gens)], len(prompt.ids), completion)
-        for i, gen in enumerate(gens):
-            job.commit(ex, i, gen, answer, isinstance(source, str))
-        await core.durable()
-        if include_usage:
-            await response.write(event({"id": job.id, "object": "text_completion", "created": job.created,
-                                        "model": job.model, "choices": [], "usage": {
-                                            "prompt_tokens": len(prompt.ids), "completion_tokens": completion,
-                                            "total_tokens": len(prompt.ids) + completion}}))
-        await response.write(b"data: [DONE]\n\n")
-    except ApiError as err:
-        try:
-            await response.write(b"data: " + orjson.dumps(error_body("openai", err.status, err.message)) + b"\n\n")
-        except ConnectionError:
-            pass
-        return response
-    except ConnectionError:
-        return response
-    finally:
-        await upstream.aclose()
-    core.observe(ex, True, gens)
-    return response
+    ex.prompt = await job.core.offload(len(job.raw), job.prompt, source)
+    ex.samplings = job.samplings(ex.prompt)
+    emitter = TextEmitter(job, bool(job.req.stream_options and job.req.stream_options.include_usage))
+    parsers = [pipeline.PlainText() for _ in ex.samplings]
+    return await pipeline.stream_exchange(job.core, request, ex, emitter, parsers, remember_text)

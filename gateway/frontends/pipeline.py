@@ -10,9 +10,10 @@
 
 A chat-style front end (Chat Completions, Responses, Messages) turns its request into a `ChatCall` and
 an `Emitter` and calls `run` or `stream`; Completions builds its prompts from text or ids and uses the
-same dispatch and commit. Nothing is recorded for a call that fails, streamed or not. With a spill file
-an answer waits on `Core.durable()` before its last bytes (non-stream answers: `model_route` does), so
-that nothing acknowledged is lost to a crash (gateway.spill).
+same dispatch and commit, and streams through the same loop, `stream_exchange` (with its own emitter, its
+text unparsed, its own memory of turns). Nothing is recorded for a call that fails, streamed or not. With
+a spill file an answer waits on `Core.durable()` before its last bytes (non-stream answers: `model_route`
+does), so that nothing acknowledged is lost to a crash (gateway.spill).
 
 `error_boundary` is the app's middleware: every failure becomes an answer in the caller's API format.
 """
@@ -540,6 +541,19 @@ class Emitter(Protocol):
     def error(self, err: ApiError) -> bytes: ...
 
 
+class PlainText:
+    """The parser of an answer that is not parsed (Completions): all its text is content."""
+
+    def feed(self, text: str) -> list[Event]:
+        return [Event("content", text)] if text else []
+
+    def finish(self) -> list[Event]:
+        return []
+
+
+Remember = Callable[[Exchange, Choice], None]  # keeps a committed choice as a turn the next call can extend
+
+
 def assistant_message(parsed: ParsedOutput) -> Message:
     """The answer as the harness will echo it in its next call."""
     message: Message = {"role": "assistant", "content": parsed.content}
@@ -585,17 +599,24 @@ async def run(core: Core, ex: Exchange, call: ChatCall, emitter: Emitter) -> dic
         parser = _parser(core, call)
         choices.append(Choice(index, gen, collect(parser.feed(gen.text) + parser.finish())))
     answer = emitter.answer(choices, ex.prompt)
-    commit(core, ex, choices, answer)
+    commit(core, ex, choices, answer, remember_turn)
     core.observe(ex, False, gens)
     return answer
 
 
 async def stream(core: Core, request: web.Request, ex: Exchange, call: ChatCall, emitter: Emitter) -> web.StreamResponse:
-    """A streamed call: text reaches the client as the engine produces it."""
+    """A streamed chat-style call: text reaches the client as the engine produces it."""
     ex.prompt, ex.samplings = await core.offload(len(ex.raw), build_prompt, core, ex.session, call)
+    parsers = [_parser(core, call, incremental=True) for _ in ex.samplings]  # calls stream as they are written
+    return await stream_exchange(core, request, ex, emitter, parsers, remember_turn)
+
+
+async def stream_exchange(core: Core, request: web.Request, ex: Exchange, emitter: Emitter,
+                          parsers: Sequence[StreamParser], remember: Remember) -> web.StreamResponse:
+    """The gateway's one SSE loop, for every API: `ex` holds its prompt and samplings, `parsers` one
+    parser per choice; dispatch → parse → emit, then commit (`remember` keeps each choice as a turn)."""
     upstream = await core.open_stream(ex)
     response = web.StreamResponse(headers=SSE_HEADERS)
-    parsers = [_parser(core, call, incremental=True) for _ in ex.samplings]  # calls stream as they are written
     progress = [Progress() for _ in ex.samplings]
     timings = ex.timings
     try:
@@ -618,7 +639,7 @@ async def stream(core: Core, request: web.Request, ex: Exchange, call: ChatCall,
         timings["done"] = now()
         choices = [Choice(i, p.final, collect(p.events)) for i, p in enumerate(progress)]
         # recorded before the last event: the harness holds a whole answer only once its record is durable
-        commit(core, ex, choices, emitter.answer(choices, ex.prompt))
+        commit(core, ex, choices, emitter.answer(choices, ex.prompt), remember)
         await core.durable()
         await response.write(emitter.end(choices, ex.prompt))
     except ApiError as err:  # after the headers: the API's in-stream error event; nothing recorded
@@ -632,12 +653,17 @@ async def stream(core: Core, request: web.Request, ex: Exchange, call: ChatCall,
     return response
 
 
-def commit(core: Core, ex: Exchange, choices: list[Choice], answer: dict) -> None:
+def commit(core: Core, ex: Exchange, choices: list[Choice], answer: dict, remember: Remember) -> None:
     """One record per choice, and each choice remembered as a turn the next call can extend."""
     for choice in choices:
         choice.call_index = core.record(ex, choice.index, choice.generation, answer)
-        output = np.asarray(choice.generation.output_ids, dtype=np.int32)
-        ex.session.tokens.remember(ex.prompt, assistant_message(choice.parsed), output)
+        remember(ex, choice)
+
+
+def remember_turn(ex: Exchange, choice: Choice) -> None:
+    """The chat-style APIs' memory (TITO): the answer as the assistant message the harness will echo."""
+    output = np.asarray(choice.generation.output_ids, dtype=np.int32)
+    ex.session.tokens.remember(ex.prompt, assistant_message(choice.parsed), output)
 
 
 async def _try_write(response: web.StreamResponse, data: bytes) -> None:

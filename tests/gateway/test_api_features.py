@@ -75,6 +75,40 @@ async def test_completions_text_and_ids(qwen3_model_dir: Path, tmp_path: Path) -
         assert p2 == [1, 2, 3]
 
 
+async def test_completions_stream_chunks_usage_and_text_memory(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    """A streamed Completions call: a `text_completion` chunk per engine delta (`usage: null` on each under
+    include_usage), one with the finish reason, the usage event, `[DONE]`; its text answer is remembered."""
+    import json
+
+    import httpx
+
+    tok = tokenizer(qwen3_model_dir)
+    async with fake_engine(tok, ["a b", "c"]) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        headers = {"Authorization": f"Bearer {s['api_key']}"}
+        async with httpx.AsyncClient(base_url=s["openai_base_url"], headers=headers) as c:
+            r = await c.post("/completions", json={"model": "m", "prompt": "Once", "stream": True, "logprobs": 1,
+                                                   "stream_options": {"include_usage": True}})
+            await c.post("/completions", json={"model": "m", "prompt": "Oncea b more", "max_tokens": 2})
+        events = r.text.split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""]
+        *deltas, last, usage = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+        assert all(c["object"] == "text_completion" and c["usage"] is None for c in [*deltas, last])
+        assert "".join(c["choices"][0]["text"] for c in deltas) == "a b"
+        assert {c["choices"][0]["finish_reason"] for c in deltas} == {None}
+        one = scripted(tok, "a b").output_ids
+        assert [lp for c in deltas for lp in c["choices"][0]["logprobs"]["token_logprobs"]] == [
+            -(k + 1) / 100 for k in range(len(one))]  # FakeEngine's
+        assert last["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]
+        prompt = len(tok.encode("Once", add_special_tokens=False).ids)
+        assert usage["choices"] == []
+        assert usage["usage"] == {"prompt_tokens": prompt, "completion_tokens": len(one),
+                                  "total_tokens": prompt + len(one)}
+        await served.flush()
+        (p0, o0), (p1, _) = served.calls(s["session_id"])
+        assert p1[: len(p0) + len(o0) - 1] == p0 + o0[:-1]  # the streamed answer's ids, less its stop token
+
+
 async def test_responses_previous_response_id(qwen3_model_dir: Path, tmp_path: Path) -> None:
     tok = tokenizer(qwen3_model_dir)
     async with fake_engine(tok, ["First.", "Second."]) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
