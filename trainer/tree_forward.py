@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from datapool.records import EpisodeData, Node
+from trainer.algorithms.corrections import logprobs_and_entropy
 
 __all__ = ["ForestOutput", "PackedForest", "forest_forward", "naive_logprobs", "pack_forest", "training_nodes"]
 
@@ -190,7 +191,9 @@ def forest_forward(
 ) -> ForestOutput:
     """One forward pass of a Hugging Face causal LM over the packed forest.
 
-    Only the A source positions go through the LM head, so memory is O(A × vocab), not O(N × vocab).
+    Only the A source positions go through the LM head, so memory is O(A × vocab), not O(N × vocab); the
+    float32 log-softmax and entropy over those logits run in checkpointed chunks of rows
+    (`trainer.algorithms.corrections.logprobs_and_entropy`), one [chunk, vocab] block alive at a time.
     `entropy_grad=False` computes the entropy as a detached statistic: an entropy bonus of 0 needs no
     gradient through it, and its A × vocab graph (exp, product, sum) is the costliest part of the head.
     """
@@ -209,15 +212,10 @@ def forest_forward(
 
 def _score(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
            value_head: nn.Module | None, with_entropy: bool, entropy_grad: bool = True) -> ForestOutput:
-    logits = model.get_output_embeddings()(hidden).float()  # [A, V]
-    if not bool((temperature == 1).all()):  # x / 1 is x exactly: skip an A × vocab pass (and its backward)
-        logits = logits / temperature[:, None]
-    logp = torch.log_softmax(logits, dim=-1)
-    logprobs = logp.gather(-1, targets[:, None]).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(logp.exp() * logp).sum(-1)
+    logits = model.get_output_embeddings()(hidden)  # [A, V] in the model's dtype; float32 a chunk of rows at a time
+    tempered = None if bool((temperature == 1).all()) else temperature  # x / 1 is x exactly: skip the division
+    logprobs, entropy = logprobs_and_entropy(logits, targets, temperature=tempered, entropy=with_entropy,
+                                             entropy_grad=entropy_grad)
     values = value_head(hidden).float().squeeze(-1) if value_head is not None else None
     return ForestOutput(logprobs=logprobs, entropy=entropy, values=values)
 

@@ -16,6 +16,7 @@ from trainer.algorithms import (
     entropy_from_logits,
     fresh_mask,
     kl_penalty,
+    logprobs_and_entropy,
     token_logprobs_from_logits,
     truncated_is_weights,
 )
@@ -110,6 +111,19 @@ def test_chunked_entropy_and_logprobs_equal_unchunked_with_gradients() -> None:
     assert torch.allclose(full, part, atol=1e-6) and torch.allclose(g_full, g_part, atol=1e-6)
     ref = torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
     assert torch.allclose(token_logprobs_from_logits(logits, ids, chunk_size=4), ref, atol=1e-6)
+
+
+def test_logprobs_and_entropy_in_one_pass_equal_the_two_helpers() -> None:
+    # one pass over logits / T gives what the two helpers give separately; entropy_grad=False: no graph for H
+    torch.manual_seed(0)
+    logits = torch.randn(10, 7, requires_grad=True)
+    ids = torch.randint(0, 7, (10,))
+    lp, ent = logprobs_and_entropy(logits, ids, temperature=torch.full((10,), 0.5), chunk_size=3)
+    assert torch.allclose(lp, token_logprobs_from_logits(logits / 0.5, ids), atol=1e-6)
+    assert ent is not None and ent.requires_grad and torch.allclose(ent, entropy_from_logits(logits / 0.5), atol=1e-6)
+    _, detached = logprobs_and_entropy(logits, ids, entropy_grad=False, chunk_size=3)
+    assert detached is not None and not detached.requires_grad
+    assert logprobs_and_entropy(logits, ids, entropy=False)[1] is None
 
 
 def test_clipped_value_loss() -> None:

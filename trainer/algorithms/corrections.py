@@ -10,6 +10,7 @@ corrects for μ ≠ π (docs/architecture.md §2.3).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -151,40 +152,61 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
 # --- per-token functions of logits, chunked over the vocabulary-sized rows ---------------------
 
 
-def _entropy(logits: Tensor) -> Tensor:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def _row_stats(logits: Tensor, token_ids: Tensor | None, temperature: Tensor | None, *, entropy: bool,
+               entropy_grad: bool) -> tuple[Tensor, ...]:
+    """One pass over rows [n, V]: z = logits / T in float32, log p = log_softmax(z); returns log p[token]
+    [n] when token_ids are given, then H = −Σ_v p_v log p_v [n] when `entropy` (no graph unless entropy_grad)."""
+    z = logits.float()
+    if temperature is not None:
+        z = z / temperature[:, None]
+    logp = torch.log_softmax(z, dim=-1)
+    out = [] if token_ids is None else [logp.gather(-1, token_ids[:, None]).squeeze(-1)]
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            out.append(-(logp.exp() * logp).sum(-1))
+    return tuple(out)
 
 
-def _chunked(fn: Callable[..., Tensor], logits: Tensor, *args: Tensor, chunk_size: int) -> Tensor:
-    """fn over row chunks of logits [N, V]; under autograd each chunk is recomputed in backward
-    (activation checkpointing), so only one chunk's [chunk, V] float32 softmax is alive at a time."""
-    if logits.shape[0] == 0:
-        return logits.new_zeros(0, dtype=torch.float32)
+def _chunked(fn: Callable[..., tuple[Tensor, ...]], logits: Tensor, *rows: Tensor | None,
+             chunk_size: int) -> tuple[Tensor, ...]:
+    """fn over row chunks of logits [N, V] and of the per-row tensors `rows` (None passes as None), its
+    outputs concatenated; under autograd each chunk is recomputed in backward (activation checkpointing),
+    so only one chunk's [chunk, V] float32 softmax is alive at a time. N = 0 runs one empty chunk."""
     parts = []
-    for start in range(0, logits.shape[0], chunk_size):
-        rows = [t[start : start + chunk_size] for t in (logits, *args)]
+    for start in range(0, max(logits.shape[0], 1), chunk_size):
+        args = [None if t is None else t[start : start + chunk_size] for t in (logits, *rows)]
         if torch.is_grad_enabled() and logits.requires_grad:
-            parts.append(checkpoint(fn, *rows, use_reentrant=False))
+            parts.append(checkpoint(fn, *args, use_reentrant=False))
         else:
-            parts.append(fn(*rows))
-    return torch.cat(parts)
+            parts.append(fn(*args))
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))
+
+
+def logprobs_and_entropy(logits: Tensor, token_ids: Tensor, *, temperature: Tensor | None = None,
+                         entropy: bool = True, entropy_grad: bool = True,
+                         chunk_size: int = 1024) -> tuple[Tensor, Tensor | None]:
+    """log softmax(z)[token] and the entropy of softmax(z) per row, z = logits / temperature, in one
+    chunked pass (each row's log_softmax computed once): logits [N, V] (any float dtype), token_ids long
+    [N], temperature [N] or None (1: no division) -> float32 [N], float32 [N] (None unless `entropy`).
+
+    Grad flows through both; `entropy_grad=False` returns the entropy as a detached statistic (no
+    A × V graph for it: an entropy bonus of 0 needs none)."""
+    stats = partial(_row_stats, entropy=entropy, entropy_grad=entropy_grad)
+    out = _chunked(stats, logits, token_ids, temperature, chunk_size=chunk_size)
+    return out[0], out[1] if entropy else None
 
 
 def entropy_from_logits(logits: Tensor, *, chunk_size: int = 1024) -> Tensor:
     """Entropy of each row's softmax: H = −Σ_v p_v log p_v, logits [N, V] -> float32 [N] (grad flows).
 
     The entropy bonus (Williams & Peng 1991; Mnih et al. 2016) subtracts β·H from the loss."""
-    return _chunked(_entropy, logits, chunk_size=chunk_size)
-
-
-def _gather_logprob(logits: Tensor, token_ids: Tensor) -> Tensor:
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    stats = partial(_row_stats, entropy=True, entropy_grad=True)
+    return _chunked(stats, logits, None, None, chunk_size=chunk_size)[0]
 
 
 def token_logprobs_from_logits(logits: Tensor, token_ids: Tensor, *, chunk_size: int = 1024) -> Tensor:
     """log softmax(logits)[token] per row: logits [N, V], token_ids long [N] -> float32 [N] (grad flows)."""
-    return _chunked(_gather_logprob, logits, token_ids, chunk_size=chunk_size)
+    return logprobs_and_entropy(logits, token_ids, entropy=False, chunk_size=chunk_size)[0]
 
 
 def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, *, clip: float | None = 0.2) -> Tensor:
