@@ -168,14 +168,14 @@ def _row_stats(logits: Tensor, token_ids: Tensor | None, temperature: Tensor | N
 
 
 def _chunked(fn: Callable[..., tuple[Tensor, ...]], logits: Tensor, *rows: Tensor | None,
-             chunk_size: int) -> tuple[Tensor, ...]:
+             chunk_size: int, recompute: bool = True) -> tuple[Tensor, ...]:
     """fn over row chunks of logits [N, V] and of the per-row tensors `rows` (None passes as None), its
-    outputs concatenated; under autograd each chunk is recomputed in backward (activation checkpointing),
-    so only one chunk's [chunk, V] float32 softmax is alive at a time. N = 0 runs one empty chunk."""
+    outputs concatenated; under autograd with `recompute` each chunk is recomputed in backward (activation
+    checkpointing), so only one chunk's [chunk, V] float32 softmax is alive at a time. N = 0 runs one empty chunk."""
     parts = []
     for start in range(0, max(logits.shape[0], 1), chunk_size):
         args = [None if t is None else t[start : start + chunk_size] for t in (logits, *rows)]
-        if torch.is_grad_enabled() and logits.requires_grad:
+        if recompute and torch.is_grad_enabled() and logits.requires_grad:
             parts.append(checkpoint(fn, *args, use_reentrant=False))
         else:
             parts.append(fn(*args))
@@ -192,7 +192,9 @@ def logprobs_and_entropy(logits: Tensor, token_ids: Tensor, *, temperature: Tens
     Grad flows through both; `entropy_grad=False` returns the entropy as a detached statistic (no
     A × V graph for it: an entropy bonus of 0 needs none)."""
     stats = partial(_row_stats, entropy=entropy, entropy_grad=entropy_grad)
-    out = _chunked(stats, logits, token_ids, temperature, chunk_size=chunk_size)
+    # recompute in backward only where it saves memory: a log-softmax keeps one [rows, V] output for its
+    # backward, as large as the logits the checkpoint would keep; an entropy graph keeps several
+    out = _chunked(stats, logits, token_ids, temperature, chunk_size=chunk_size, recompute=entropy and entropy_grad)
     return out[0], out[1] if entropy else None
 
 
