@@ -190,11 +190,15 @@ def logprobs_and_entropy(logits: Tensor, token_ids: Tensor, *, temperature: Tens
     [N], temperature [N] or None (1: no division) -> float32 [N], float32 [N] (None unless `entropy`).
 
     Grad flows through both; `entropy_grad=False` returns the entropy as a detached statistic (no
-    A × V graph for it: an entropy bonus of 0 needs none)."""
+    A × V graph for it: an entropy bonus of 0 needs none). Rows go in `chunk_size` chunks, recomputed in
+    backward, only when the entropy has a graph; otherwise in one pass, which keeps no more than a chunked one."""
     stats = partial(_row_stats, entropy=entropy, entropy_grad=entropy_grad)
-    # recompute in backward only where it saves memory: a log-softmax keeps one [rows, V] output for its
-    # backward, as large as the logits the checkpoint would keep; an entropy graph keeps several
-    out = _chunked(stats, logits, token_ids, temperature, chunk_size=chunk_size, recompute=entropy and entropy_grad)
+    # chunks and recompute only where they save memory: a log-softmax alone keeps one [N, V] output for its
+    # backward, as large as the logits a checkpoint would keep (and each chunk's slice backward allocates an
+    # [N, V] gradient), while an entropy graph keeps several
+    recompute = entropy and entropy_grad
+    rows = chunk_size if recompute else max(logits.shape[0], 1)
+    out = _chunked(stats, logits, token_ids, temperature, chunk_size=rows, recompute=recompute)
     return out[0], out[1] if entropy else None
 
 
@@ -208,7 +212,8 @@ def entropy_from_logits(logits: Tensor, *, chunk_size: int = 1024) -> Tensor:
 
 def token_logprobs_from_logits(logits: Tensor, token_ids: Tensor, *, chunk_size: int = 1024) -> Tensor:
     """log softmax(logits)[token] per row: logits [N, V], token_ids long [N] -> float32 [N] (grad flows)."""
-    return logprobs_and_entropy(logits, token_ids, entropy=False, chunk_size=chunk_size)[0]
+    stats = partial(_row_stats, entropy=False, entropy_grad=False)
+    return _chunked(stats, logits, token_ids, None, chunk_size=chunk_size)[0]
 
 
 def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, *, clip: float | None = 0.2) -> Tensor:
