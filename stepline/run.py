@@ -53,12 +53,9 @@ class RunDir:
         return self.root / "eval" / f"{tag}.json"
 
     def phases(self) -> dict[str, float]:
+        """Seconds this run directory's jobs have spent in each phase so far."""
         path = self.root / "phases.json"
         return json.loads(path.read_text()) if path.is_file() else {}
-
-    def phase_seconds(self, name: str) -> float:
-        """Seconds this run directory's jobs have spent in a phase so far."""
-        return float(self.phases().get(name, 0.0))
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -116,7 +113,7 @@ def rl_seconds_left(cfg: JobConfig, run: RunDir) -> float | None:
     """What is left of the RL phase's time bound after the time earlier runs of this job spent in it."""
     if cfg.rl_minutes is None:
         return None
-    return max(cfg.rl_minutes * 60 - run.phase_seconds("rl"), 0.001)
+    return max(cfg.rl_minutes * 60 - run.phases().get("rl", 0.0), 0.001)
 
 
 def smallest_group(rollout: RolloutConfig) -> int:

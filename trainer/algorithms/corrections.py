@@ -168,14 +168,14 @@ def _row_stats(logits: Tensor, token_ids: Tensor | None, temperature: Tensor | N
 
 
 def _chunked(fn: Callable[..., tuple[Tensor, ...]], logits: Tensor, *rows: Tensor | None,
-             chunk_size: int, recompute: bool = True) -> tuple[Tensor, ...]:
+             chunk_size: int) -> tuple[Tensor, ...]:
     """fn over row chunks of logits [N, V] and of the per-row tensors `rows` (None passes as None), its
-    outputs concatenated; under autograd with `recompute` each chunk is recomputed in backward (activation
-    checkpointing), so only one chunk's [chunk, V] float32 softmax is alive at a time. N = 0 runs one empty chunk."""
+    outputs concatenated; under autograd each chunk is recomputed in backward (activation checkpointing),
+    so only one chunk's [chunk, V] float32 softmax is alive at a time. N = 0 runs one empty chunk."""
     parts = []
     for start in range(0, max(logits.shape[0], 1), chunk_size):
         args = [None if t is None else t[start : start + chunk_size] for t in (logits, *rows)]
-        if recompute and torch.is_grad_enabled() and logits.requires_grad:
+        if torch.is_grad_enabled() and logits.requires_grad:
             parts.append(checkpoint(fn, *args, use_reentrant=False))
         else:
             parts.append(fn(*args))
@@ -185,20 +185,19 @@ def _chunked(fn: Callable[..., tuple[Tensor, ...]], logits: Tensor, *rows: Tenso
 def logprobs_and_entropy(logits: Tensor, token_ids: Tensor, *, temperature: Tensor | None = None,
                          entropy: bool = True, entropy_grad: bool = True,
                          chunk_size: int = 1024) -> tuple[Tensor, Tensor | None]:
-    """log softmax(z)[token] and the entropy of softmax(z) per row, z = logits / temperature, in one
-    chunked pass (each row's log_softmax computed once): logits [N, V] (any float dtype), token_ids long
-    [N], temperature [N] or None (1: no division) -> float32 [N], float32 [N] (None unless `entropy`).
+    """log softmax(z)[token] and the entropy of softmax(z) per row, z = logits / temperature, each row's
+    log_softmax computed once: logits [N, V] (any float dtype), token_ids long [N], temperature [N] or None
+    (1: no division) -> float32 [N], float32 [N] (None unless `entropy`).
 
     Grad flows through both; `entropy_grad=False` returns the entropy as a detached statistic (no
-    A × V graph for it: an entropy bonus of 0 needs none). Rows go in `chunk_size` chunks, recomputed in
-    backward, only when the entropy has a graph; otherwise in one pass, which keeps no more than a chunked one."""
+    A × V graph for it: an entropy bonus of 0 needs none). Only an entropy graph goes in `chunk_size` chunks
+    recomputed in backward: a log-softmax alone keeps one [N, V] output, as large as the logits a checkpoint
+    would keep, and each chunk's slice backward would allocate an [N, V] gradient, so it runs in one pass."""
     stats = partial(_row_stats, entropy=entropy, entropy_grad=entropy_grad)
-    # chunks and recompute only where they save memory: a log-softmax alone keeps one [N, V] output for its
-    # backward, as large as the logits a checkpoint would keep (and each chunk's slice backward allocates an
-    # [N, V] gradient), while an entropy graph keeps several
-    recompute = entropy and entropy_grad
-    rows = chunk_size if recompute else max(logits.shape[0], 1)
-    out = _chunked(stats, logits, token_ids, temperature, chunk_size=rows, recompute=recompute)
+    if entropy and entropy_grad:
+        out = _chunked(stats, logits, token_ids, temperature, chunk_size=chunk_size)
+    else:
+        out = stats(logits, token_ids, temperature)
     return out[0], out[1] if entropy else None
 
 
