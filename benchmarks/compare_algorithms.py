@@ -98,7 +98,7 @@ def plot(curves: dict[str, list[float]], title: str, out: Path) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for name, series in curves.items():
         ax.plot(range(1, len(series) + 1), series, marker="o", label=name)
-    ax.set(title=title, xlabel="rollout batch (one per update)", ylabel="mean training reward (all episodes)",
+    ax.set(title=title, xlabel="rollout batch (an update takes one or more)", ylabel="mean training reward (all episodes)",
            ylim=(-0.05, 1.05))
     ax.grid(alpha=0.3)
     ax.legend()

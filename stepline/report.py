@@ -113,7 +113,7 @@ def plot_run(root: Path, out: Path) -> Path:
     for harness in sorted({r["harness"] for r in rollouts}):
         series = batch_rewards(rollouts, harness)
         left.plot(range(1, len(series) + 1), series, marker=".", label=harness)
-    left.set(title="training reward per rollout batch (all episodes)", xlabel="rollout batch (one per update)",
+    left.set(title="training reward per rollout batch (all episodes)", xlabel="rollout batch (an update takes one or more)",
              ylabel="mean reward", ylim=(-0.05, 1.05))
     evals = [(tag, _success(rep)) for tag, rep in _evals(root)]
     names = sorted({h for _, rep in evals for h in rep})

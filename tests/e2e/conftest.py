@@ -23,6 +23,7 @@ def main_job_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
                                                     "tensorboard": False},
         "trainer.groups_per_update": 2, "trainer.minibatches": 1, "trainer.micro_batch_episodes": 4, "trainer.dynamic_sampling": False,
         "trainer.train_layers": None,
-        "rollout.group_size": 2, "rollout.harnesses.2.group_size": 2, "rollout.max_concurrency": 4, "eval.limit": 1,
+        "rollout.group_size": 2, "rollout.harnesses.2.group_size": 2, "rollout.harnesses.2.weight": 1.0,  # every harness takes part
+        "rollout.max_concurrency": 4, "eval.limit": 1,
     })
     return run_dir, run_job(cfg)
