@@ -147,7 +147,7 @@ class TextEmitter:
         return usage + b"data: [DONE]\n\n"
 
     def error(self, err: ApiError) -> bytes:
-        return _event(error_body("openai", err.status, err.message))
+        return _event(error_body("openai", err.status, err.message, err.param, err.code))
 
 
 async def handle(core: Core, request: web.Request) -> web.StreamResponse:

@@ -131,6 +131,26 @@ async def test_engine_error_and_timeout(qwen3_model_dir: Path, tmp_path: Path) -
         assert len(served.calls(s["session_id"])) == 1
 
 
+async def test_stream_failing_after_the_headers_ends_with_the_api_error_event(qwen3_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """The engine stalls after its first token: the status is already sent, so the stream's last event is the
+    OpenAI error object, with the same type, param and code as a non-streamed answer, and nothing is recorded."""
+    tok = tokenizer(qwen3_model_dir)
+    engine = fake_engine(tok, ["one two three four"] * 2, token_delay=1.0)
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path, engine_timeout=0.3) as served:
+        s = await served.session()
+        async with httpx.AsyncClient(base_url=s["openai_base_url"], headers={"Authorization": f"Bearer {s['api_key']}"}) as c:
+            for path, body in (("/chat/completions", CHAT), ("/completions", COMPLETIONS)):
+                r = await c.post(path, json={**body, "max_tokens": 8, "stream": True})
+                assert r.status_code == 200, path
+                last = [line for line in r.text.splitlines() if line.startswith("data: ")][-1]
+                error = httpx.Response(200, content=last.removeprefix("data: ")).json()["error"]
+                assert error["code"] == "engine_error" and "param" in error, (path, error)
+                assert error["type"] and "no answer within 0.3 s" in error["message"], (path, error)
+        await served.flush()
+        assert served.calls(s["session_id"]) == []
+
+
 # --- fuzz: random and mutated bodies at every endpoint; no 500, always the API's error format ---
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
