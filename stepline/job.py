@@ -207,6 +207,17 @@ class JobConfig(_Section):
         return self
 
 
+def unused_by_run(cfg: JobConfig, on_ray: bool) -> list[str]:
+    """The tables a job file sets that `stepline run` (with or without --ray) does not read, each with why."""
+    notes = []
+    if "pool" in cfg.model_fields_set:
+        notes.append(f"[pool] is read by `stepline train` and `replay`; `stepline run` keeps its pool in "
+                     f"{cfg.run_dir / 'pool.db'}" + (" (with --ray: [cluster] pool_url)" if on_ray else ""))
+    if "cluster" in cfg.model_fields_set and not on_ray:
+        notes.append("[cluster] is read by `stepline run --ray` only")
+    return notes
+
+
 def _override(raw: dict[str, Any], dotted: str, value: Any) -> None:
     """Set `dotted` (e.g. "trainer.lr", or "rollout.harnesses.2.group_size": an index into an array of tables)."""
     *parents, leaf = dotted.split(".")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from stepline.job import JobConfig, JobError, ServicesSection, load_job, trainer_config
+from stepline.job import JobConfig, JobError, ServicesSection, load_job, trainer_config, unused_by_run
 from stepline.services import Child, EngineSpec, GatewaySpec, Services, engine_token, free_port, port_of
 
 if TYPE_CHECKING:
@@ -333,6 +333,8 @@ def run_command(job: Path, overrides: tuple[str, ...], dashboard_port: int | Non
 
     try:
         cfg = load_job(job, _overrides(overrides))
+        for note in unused_by_run(cfg, on_ray):
+            click.echo(f"note: {note}", err=True)
         with dashboard_beside([str(cfg.run_dir)], dashboard_port, cfg.run_dir / "logs"):
             summary = run_ray_job(cfg, ray_address) if on_ray else run_job(cfg)
     except JobError as exc:

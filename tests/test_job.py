@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from stepline.cli import main
-from stepline.job import JobError, load_job
+from stepline.job import JobError, load_job, unused_by_run
 
 
 def test_a_bad_trainer_field_is_named_at_load(tmp_path: Path) -> None:
@@ -94,3 +94,15 @@ def test_the_rl_time_bound_counts_what_earlier_runs_spent(tmp_path: Path, tiny_m
     assert 0 < trainer_configs(cfg, run, tiny_model_dir)[1].max_seconds < 0.01  # spent: no update starts
     job.write_text("rl_updates = 3\n")
     assert trainer_configs(load_job(job), run, tiny_model_dir)[1].max_seconds is None
+
+
+def test_run_names_the_tables_it_does_not_read(tmp_path: Path) -> None:
+    """[pool] belongs to `train`/`replay` and [cluster] to `run --ray`: `stepline run` says so instead of
+    silently ignoring them; a file without them gets no note."""
+    job = tmp_path / "job.toml"
+    job.write_text('run_dir = "r"\n[pool]\nurl = "postgresql://db/x"\n[cluster]\nengines = 2\n')
+    plain, ray = unused_by_run(load_job(job), on_ray=False), unused_by_run(load_job(job), on_ray=True)
+    assert len(plain) == 2 and str(tmp_path / "r" / "pool.db") in plain[0] and "run --ray` only" in plain[1]
+    assert len(ray) == 1 and "[cluster] pool_url" in ray[0]
+    job.write_text('run_dir = "r"\n[trainer]\nlr = 1e-4\n')
+    assert unused_by_run(load_job(job), on_ray=False) == []
