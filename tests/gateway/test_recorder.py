@@ -38,8 +38,11 @@ class MemoryPool:
         self.lock = threading.Lock()
         self.gate = threading.Event()
         self.gate.set()
+        self.waiting = threading.Event()  # set once a write waits at the closed gate
 
     def _check(self) -> None:
+        if not self.gate.is_set():
+            self.waiting.set()
         self.gate.wait()
         with self.lock:
             if self.down:
@@ -115,7 +118,7 @@ async def test_batches_are_bounded() -> None:
     recorder = Recorder(pool, batch_size=2)
     await recorder.start()
     recorder.record_call(call("s", 0))
-    await asyncio.sleep(0.05)  # the worker is now blocked inside add_calls([0])
+    assert await asyncio.to_thread(pool.waiting.wait, 10)  # the worker is now blocked inside add_calls([0])
     for i in range(1, 6):
         recorder.record_call(call("s", i))
     pool.gate.set()
