@@ -32,6 +32,7 @@ from stepline.run import (
     RunDir,
     engine_spec,
     evaluate_once,
+    rl_seconds_left,
     save_rollouts,
     warm_started,
     write_summary,
@@ -76,6 +77,7 @@ def run_ray_job(cfg: JobConfig, address: str | None) -> dict[str, Any]:
             rl_cfg = rl_cfg.model_copy(update={"model_dir": policy, "gateway_url": url, "admin_token": token})
             with run.phase("eval_before"):
                 evaluate_once(cfg, run, url, token, "before")
+            rl_cfg = rl_cfg.model_copy(update={"max_seconds": rl_seconds_left(cfg, run)})  # SFT and eval now counted
             with run.phase("rl"):
                 updates = train_on_ray(cfg, run, rl_cfg, placed, pool_url, trainers)
             with run.phase("eval_after"):

@@ -77,6 +77,7 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
         rl_cfg = rl_cfg.model_copy(update={"model_dir": policy, "gateway_url": gateway_url, "admin_token": token})
         with run.phase("eval_before"):
             evaluate_once(cfg, run, gateway_url, token, "before")
+        rl_cfg = rl_cfg.model_copy(update={"max_seconds": rl_seconds_left(cfg, run)})  # SFT and eval now counted
         with run.phase("rl"):
             updates = train_rl(cfg, run, rl_cfg)
         with run.phase("eval_after"):
@@ -110,10 +111,16 @@ def trainer_configs(cfg: JobConfig, run: RunDir, base: Path) -> list[TrainerConf
 
 
 def rl_seconds_left(cfg: JobConfig, run: RunDir) -> float | None:
-    """What is left of the RL phase's time bound after the time earlier runs of this job spent in it."""
-    if cfg.rl_minutes is None:
-        return None
-    return max(cfg.rl_minutes * 60 - run.phases().get("rl", 0.0), 0.001)
+    """What is left of the RL phase's time bounds after what this job's runs spent so far (phases.json): of
+    rl_minutes, the RL time spent; of job_minutes, every phase's, and as much again as the evaluation before RL
+    took, for the one after it. None: no bound."""
+    phases = run.phases()
+    left = []
+    if cfg.rl_minutes is not None:
+        left.append(cfg.rl_minutes * 60 - phases.get("rl", 0.0))
+    if cfg.job_minutes is not None:
+        left.append(cfg.job_minutes * 60 - sum(phases.values()) - phases.get("eval_before", 0.0))
+    return max(min(left), 0.001) if left else None
 
 
 def smallest_group(rollout: RolloutConfig) -> int:
