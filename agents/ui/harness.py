@@ -37,17 +37,57 @@ def make_tools(app: App, task: Task) -> list[Tool]:
 
 def replay(task: Task, calls: Iterable[ToolCall]) -> App:
     """A fresh app with the recorded actions applied in order (invalid ones change nothing)."""
+    return _replay(task, calls)[0]
+
+
+def plan_progress(task: Task, calls: Iterable[ToolCall]) -> int:
+    """How many of the task's plan goals the recorded actions reached, in the plan's order.
+
+    A goal is reached by the action it names on the element it names (the label as shown on the screen
+    the action was taken on; "{reply}" is the simulated user's answer); scrolls, backs and other actions
+    neither reach nor undo one."""
+    return _replay(task, calls)[1]
+
+
+def _replay(task: Task, calls: Iterable[ToolCall]) -> tuple[App, int]:
     app = make_app(task)
     tools = {tool.name: tool for tool in make_tools(app, task)}
+    goals = [tuple(part.replace("{reply}", task.user_reply or "") for part in goal) for goal in task.plan]
+    reached = 0
     for call in calls:
         tool = tools.get(call.name)
         if tool is None or tool.fn is None or set(call.arguments) != set(tool.parameters):
             continue
+        if reached < len(goals) and _reaches(app, call, goals[reached]):
+            reached += 1
         try:
             tool.fn(**call.arguments)
         except ToolError:
             pass
-    return app
+    return app, reached
+
+
+def _reaches(app: App, call: ToolCall, goal: tuple[str, ...]) -> bool:
+    action, *args = goal
+    if action == "ask":
+        return call.name == "ask_user"
+    if call.name != action:
+        return False
+    try:
+        node_id = int(call.arguments["id"])  # as the app reads it
+    except (KeyError, TypeError, ValueError):
+        return False
+    label = find_label(app.render(), node_id)
+    return label == args[0] and (action == "tap" or str(call.arguments.get("text")) == args[1])
+
+
+def find_label(screen: str, node_id: int) -> str | None:
+    """The label of the element shown with this id on the screen (None when no such element is shown)."""
+    for line in screen.splitlines():
+        match = NODE_LINE.match(line)
+        if match and int(match.group(1)) == node_id:
+            return match.group(2)
+    return None
 
 
 def find_id(screen: str, label: str) -> int | None:

@@ -1,12 +1,17 @@
-"""python -m agents.ui.verify --task ID --out DIR  ->  {"reward": 1|0, "success", "reason"}.
+"""python -m agents.ui.verify --task ID --out DIR  ->  {"reward": 0..1, "success", "reason"}.
 
 The app's final state is rebuilt by replaying the episode's recorded actions on a fresh app (the
 harness's own record of the state must agree with it), then compared with the task's goal state.
+Success (the goal state reached) scores 1; short of it, an episode earns partial credit for the plan
+steps it did reach in order (PARTIAL per the whole plan: tapping the right section of two steps scores
+0.25), so a group in which nobody finishes still tells the better attempts from the worse.
 """
 
 from agents.common import Episode, Verdict, failed, verify_command
-from agents.ui.harness import NAME, known, replay
+from agents.ui.harness import NAME, known, plan_progress, replay
 from agents.ui.world import task_by_id
+
+PARTIAL = 0.5  # the reward of reaching every plan step but not the goal state (a later step undid it)
 
 
 def score(task_id: str, episode: Episode) -> Verdict:
@@ -16,7 +21,9 @@ def score(task_id: str, episode: Episode) -> Verdict:
         return failed("the recorded app state differs from the replayed actions")
     if data != task.target:
         changed = "unchanged" if data == task.data else "changed, but not as asked"
-        return failed(f"{task.app} state {changed}")
+        reached = plan_progress(task, episode.calls)
+        reason = f"{task.app} state {changed} ({reached} of {len(task.plan)} plan steps)"
+        return Verdict(reward=PARTIAL * reached / len(task.plan), success=False, reason=reason)
     return Verdict(reward=1.0, success=True, reason=f"{task.app} state matches the goal")
 
 

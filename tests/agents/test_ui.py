@@ -9,10 +9,21 @@ from pathlib import Path
 import pytest
 from harness_helpers import cli, endpoint, random_policy, server_policy, verdict
 
-from agents.common import Episode, ToolError, read_episode, run_episode
+from agents.common import Episode, ToolCall, ToolError, read_episode, run_episode
 from agents.common.scripted_server import ScriptedServer
 from agents.ui.apps import AlarmsApp, ContactsApp, ShoppingApp
-from agents.ui.harness import MAX_TURNS, SYSTEM, ExpertPolicy, make_app, make_tools, play
+from agents.ui.harness import (
+    MAX_TURNS,
+    SYSTEM,
+    ExpertPolicy,
+    find_id,
+    find_label,
+    make_app,
+    make_tools,
+    plan_progress,
+    play,
+    replay,
+)
 from agents.ui.tasks import split_ids
 from agents.ui.verify import score
 from agents.ui.world import APP_ORDER, task_by_id, tasks
@@ -109,7 +120,40 @@ def test_verifier_replays_actions_and_rejects_a_forged_state() -> None:
     episode.state["data"]["toggles"]["Wi-Fi"] = not episode.state["data"]["toggles"]["Wi-Fi"]
     assert score("ui-0004", episode).reason == "the recorded app state differs from the replayed actions"
     claimed = Episode(harness="ui", task_id="ui-0004", final="Done.", finish="final_message")
-    assert score("ui-0004", claimed).reason == "settings state unchanged"
+    assert score("ui-0004", claimed).reason == "settings state unchanged (0 of 2 plan steps)"
+
+
+def _episode(task_id: str, *calls: tuple[str, dict]) -> Episode:
+    """An episode whose recorded actions are `calls`, its state what they leave (as the harness records it)."""
+    task = task_by_id()[task_id]
+    recorded = [ToolCall(turn=i, name=name, arguments=args) for i, (name, args) in enumerate(calls)]
+    return Episode(harness="ui", task_id=task_id, calls=recorded, finish="final_message", final="Done.",
+                   state={"data": replay(task, recorded).data})
+
+
+def test_partial_credit_counts_the_plan_steps_reached_in_order() -> None:
+    # ui-0004 "Turn on Do not disturb.": Sound is [2] on the first screen
+    assert score("ui-0004", _episode("ui-0004")).reward == 0.0
+    section = score("ui-0004", _episode("ui-0004", ("tap", {"id": 2})))
+    assert (section.reward, section.success) == (0.25, False)
+    assert section.reason == "settings state unchanged (1 of 2 plan steps)"
+    assert score("ui-0004", _episode("ui-0004", ("tap", {"id": 1}))).reward == 0.0  # Display: the wrong section
+    assert score("ui-0004", _episode("ui-0004", ("tap", {"id": 1}), ("back", {}), ("tap", {"id": "2"}))).reward == 0.25
+    # a wrong toggle in the right section keeps the section's credit, and is a changed state
+    sound = make_app(task_by_id()["ui-0004"])
+    sound.tap(2)
+    other = next(i for i in range(1, 9) if (label := find_label(sound.render(), i)) and label != "Do not disturb")
+    wrong = score("ui-0004", _episode("ui-0004", ("tap", {"id": 2}), ("tap", {"id": other})))
+    assert (wrong.reward, wrong.reason) == (0.25, "settings state changed, but not as asked (1 of 2 plan steps)")
+    # ui-0002 "Add my coach to favorites." (ask, tap the user's answer, tap Favorite): asking counts, in order only
+    asked = _episode("ui-0002", ("ask_user", {"question": "Who?"}))
+    assert score("ui-0002", asked).reward == pytest.approx(0.5 / 3)
+    coach = find_id(make_app(task_by_id()["ui-0002"]).render(), "Ravera")
+    assert score("ui-0002", _episode("ui-0002", ("tap", {"id": coach}))).reward == 0.0  # tapped before asking
+    both = _episode("ui-0002", ("ask_user", {"question": "Who?"}), ("tap", {"id": coach}))
+    assert score("ui-0002", both).reward == pytest.approx(1 / 3)
+    expert = play("ui-0002", MAX_TURNS, expert=True)
+    assert (score("ui-0002", expert).reward, plan_progress(task_by_id()["ui-0002"], expert.calls)) == (1.0, 3)
 
 
 def test_model_episode_through_the_openai_sdk_then_cli_verify(tmp_path: Path) -> None:
