@@ -37,7 +37,7 @@ def make_tools(app: App, task: Task) -> list[Tool]:
 
 def replay(task: Task, calls: Iterable[ToolCall]) -> App:
     """A fresh app with the recorded actions applied in order (invalid ones change nothing)."""
-    return _replay(task, calls)[0]
+    return replay_with_progress(task, calls)[0]
 
 
 def plan_progress(task: Task, calls: Iterable[ToolCall]) -> int:
@@ -46,10 +46,11 @@ def plan_progress(task: Task, calls: Iterable[ToolCall]) -> int:
     A goal is reached by the action it names on the element it names (the label as shown on the screen
     the action was taken on; "{reply}" is the simulated user's answer); scrolls, backs and other actions
     neither reach nor undo one."""
-    return _replay(task, calls)[1]
+    return replay_with_progress(task, calls)[1]
 
 
-def _replay(task: Task, calls: Iterable[ToolCall]) -> tuple[App, int]:
+def replay_with_progress(task: Task, calls: Iterable[ToolCall]) -> tuple[App, int]:
+    """`replay` and `plan_progress` from one pass over the actions."""
     app = make_app(task)
     tools = {tool.name: tool for tool in make_tools(app, task)}
     goals = [tuple(part.replace("{reply}", task.user_reply or "") for part in goal) for goal in task.plan]

@@ -8,7 +8,7 @@ steps it did reach in order (PARTIAL per the whole plan: tapping the right secti
 """
 
 from agents.common import Episode, Verdict, failed, verify_command
-from agents.ui.harness import NAME, known, plan_progress, replay
+from agents.ui.harness import NAME, known, replay_with_progress
 from agents.ui.world import task_by_id
 
 PARTIAL = 0.5  # the reward of reaching every plan step but not the goal state (a later step undid it)
@@ -16,12 +16,12 @@ PARTIAL = 0.5  # the reward of reaching every plan step but not the goal state (
 
 def score(task_id: str, episode: Episode) -> Verdict:
     task = task_by_id()[task_id]
-    data = replay(task, episode.calls).data
+    app, reached = replay_with_progress(task, episode.calls)
+    data = app.data
     if episode.state is not None and episode.state.get("data") != data:
         return failed("the recorded app state differs from the replayed actions")
     if data != task.target:
         changed = "unchanged" if data == task.data else "changed, but not as asked"
-        reached = plan_progress(task, episode.calls)
         reason = f"{task.app} state {changed} ({reached} of {len(task.plan)} plan steps)"
         return Verdict(reward=PARTIAL * reached / len(task.plan), success=False, reason=reason)
     return Verdict(reward=1.0, success=True, reason=f"{task.app} state matches the goal")
