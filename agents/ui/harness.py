@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from agents.common import Episode, OpenAIPolicy, Tool, ToolCall, ToolError, Turn, final_turn, run_episode, tool_turn
@@ -40,17 +40,12 @@ def replay(task: Task, calls: Iterable[ToolCall]) -> App:
     return replay_with_progress(task, calls)[0]
 
 
-def plan_progress(task: Task, calls: Iterable[ToolCall]) -> int:
-    """How many of the task's plan goals the recorded actions reached, in the plan's order.
+def replay_with_progress(task: Task, calls: Iterable[ToolCall]) -> tuple[App, int]:
+    """`replay`, and how many of the task's plan goals the actions reached, in the plan's order.
 
     A goal is reached by the action it names on the element it names (the label as shown on the screen
     the action was taken on; "{reply}" is the simulated user's answer); scrolls, backs and other actions
     neither reach nor undo one."""
-    return replay_with_progress(task, calls)[1]
-
-
-def replay_with_progress(task: Task, calls: Iterable[ToolCall]) -> tuple[App, int]:
-    """`replay` and `plan_progress` from one pass over the actions."""
     app = make_app(task)
     tools = {tool.name: tool for tool in make_tools(app, task)}
     goals = [tuple(part.replace("{reply}", task.user_reply or "") for part in goal) for goal in task.plan]
@@ -82,21 +77,20 @@ def _reaches(app: App, call: ToolCall, goal: tuple[str, ...]) -> bool:
     return label == args[0] and (action == "tap" or str(call.arguments.get("text")) == args[1])
 
 
+def shown(screen: str) -> Iterator[tuple[int, str]]:
+    """(id, label) of each element on the screen, top to bottom."""
+    for match in map(NODE_LINE.match, screen.splitlines()):
+        if match:
+            yield int(match.group(1)), match.group(2)
+
+
 def find_label(screen: str, node_id: int) -> str | None:
     """The label of the element shown with this id on the screen (None when no such element is shown)."""
-    for line in screen.splitlines():
-        match = NODE_LINE.match(line)
-        if match and int(match.group(1)) == node_id:
-            return match.group(2)
-    return None
+    return next((label for i, label in shown(screen) if i == node_id), None)
 
 
 def find_id(screen: str, label: str) -> int | None:
-    for line in screen.splitlines():
-        match = NODE_LINE.match(line)
-        if match and match.group(2) == label:
-            return int(match.group(1))
-    return None
+    return next((i for i, shown_label in shown(screen) if shown_label == label), None)
 
 
 class ExpertPolicy:

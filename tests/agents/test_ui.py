@@ -20,9 +20,9 @@ from agents.ui.harness import (
     find_label,
     make_app,
     make_tools,
-    plan_progress,
     play,
     replay,
+    replay_with_progress,
 )
 from agents.ui.tasks import split_ids
 from agents.ui.verify import score
@@ -153,7 +153,7 @@ def test_partial_credit_counts_the_plan_steps_reached_in_order() -> None:
     both = _episode("ui-0002", ("ask_user", {"question": "Who?"}), ("tap", {"id": coach}))
     assert score("ui-0002", both).reward == pytest.approx(1 / 3)
     expert = play("ui-0002", MAX_TURNS, expert=True)
-    assert (score("ui-0002", expert).reward, plan_progress(task_by_id()["ui-0002"], expert.calls)) == (1.0, 3)
+    assert (score("ui-0002", expert).reward, replay_with_progress(task_by_id()["ui-0002"], expert.calls)[1]) == (1.0, 3)
 
 
 def test_model_episode_through_the_openai_sdk_then_cli_verify(tmp_path: Path) -> None:
