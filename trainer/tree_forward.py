@@ -6,7 +6,9 @@ model once per step on that step's full sequence, recomputing the shared prefix 
 sequence, parents first, and the model gets a *tree attention mask*: each token attends to the tokens
 of its ancestor nodes and to the earlier tokens of its own node. Position ids are the depth in the
 tree, so every token sees exactly the context and positions it had when the engine sampled it.
-Several sessions share one forward pass (a forest) as the rows of a padded batch.
+The sessions of a group (same task, same harness) begin with the same prompt: they are packed as one
+trie, so the tokens they share are forwarded once. Groups share one forward pass (a forest) as the rows
+of a padded batch.
 
     forest = pack_forest(episodes)                     # PackedForest, plain tensors
     out = forest_forward(model, forest)                # ForestOutput: logprobs [A], entropy [A], values [A]
@@ -47,7 +49,7 @@ class PackedForest:
     episode: torch.Tensor  # int64 [A]: index of the token's episode in the list given to pack_forest
     call_index: torch.Tensor  # int64 [A]: the call (step) that sampled the token
     naive_tokens: int  # tokens a per-step forward would process: sum over steps of len(state + action)
-    offsets: list[int]  # episode i's tokens are input_ids[offsets[i]:offsets[i + 1]] (one batch row each)
+    offsets: list[int]  # row i (one group's tree) is input_ids[offsets[i]:offsets[i + 1]]
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +66,7 @@ class PackedForest:
         return bias[None, None]
 
     def batch_rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One padded row per episode (attention never crosses sessions, so no quadratic cost across them):
+        """One padded row per group's tree (attention never crosses groups, so no quadratic cost across them):
         input_ids [B, L], position_ids [B, L], bias [B, 1, L, L], and the flat index (row * L + col) of
         each packed token [N]. Padding attends only to itself (no empty softmax rows)."""
         spans = [(a, b) for a, b in zip(self.offsets[:-1], self.offsets[1:]) if b > a]
@@ -99,62 +101,136 @@ def _temperatures(episode: EpisodeData) -> dict[int, float]:
     return {step.call_index: step.temperature for traj in episode.trajectories for step in traj.steps}
 
 
+class _Segment:
+    """A run of packed tokens in the shared-prefix trie of one group's sessions. Splitting it at k moves
+    tokens[k:] and the children into a new segment; `moved` = (k, that segment) redirects references."""
+
+    __slots__ = ("children", "moved", "parent", "tokens")
+
+    def __init__(self, tokens: list[int], parent: _Segment | None) -> None:
+        self.tokens, self.parent = tokens, parent
+        self.children: dict[int, _Segment] = {}
+        self.moved: tuple[int, _Segment] | None = None
+
+    def split(self, k: int) -> None:
+        tail = _Segment(self.tokens[k:], self)
+        tail.children = self.children
+        for child in tail.children.values():
+            child.parent = tail
+        if self.moved is not None:  # an earlier split at a later offset now starts inside the tail
+            tail.moved = (self.moved[0] - k, self.moved[1])
+        self.tokens, self.children, self.moved = self.tokens[:k], {tail.tokens[0]: tail}, (k, tail)
+
+
+Ref = tuple[_Segment, int]  # (segment, offset): one packed token, before splits are resolved
+
+
+def _resolve(ref: Ref) -> Ref:
+    seg, off = ref
+    while seg.moved is not None and off >= seg.moved[0]:
+        off, seg = off - seg.moved[0], seg.moved[1]
+    return seg, off
+
+
+def _insert(after: Ref, tokens: np.ndarray) -> list[Ref]:
+    """Add `tokens` after the token `after` refers to ((root, -1) for a first node), sharing what is already
+    there; returns a reference to each of them."""
+    seg, off = _resolve(after)
+    fresh: _Segment | None = None  # the segment this insertion created: it grows instead of chaining 1-token ones
+    refs: list[Ref] = []
+    for token in tokens.tolist():
+        if off + 1 < len(seg.tokens):
+            if seg.tokens[off + 1] == token:
+                off += 1
+                refs.append((seg, off))
+                continue
+            seg.split(off + 1)
+        if seg is fresh:
+            seg.tokens.append(token)
+            off += 1
+        elif token in seg.children:
+            seg, off = seg.children[token], 0
+        else:
+            fresh = seg.children[token] = _Segment([token], seg)
+            seg, off = fresh, 0
+        refs.append((seg, off))
+    return refs
+
+
 def pack_forest(episodes: list[EpisodeData]) -> PackedForest:
-    """Lay the training nodes of each episode's tree out in one sequence (parents before children)."""
-    ids: list[np.ndarray] = []
-    positions: list[np.ndarray] = []
-    node_of: list[np.ndarray] = []
-    parents: list[int] = []  # pack index of each node's parent, -1 for a root child
+    """Lay the training nodes of the episodes out in one sequence (parents before children), the sessions of a
+    group sharing the tokens they have in common: a group's sessions begin with the same prompt (same task,
+    same harness), so that prompt is packed, forwarded and back-propagated once instead of once per session.
+    Each group is one tree (one batch row); its tokens are a trie of its sessions' paths, so every packed token
+    has exactly the context and position it had in each session that holds it."""
+    roots: dict[str, _Segment] = {}
     act: dict[str, list] = {k: [] for k in ("targets", "sources", "temp", "lp", "ver", "ep", "call")}
-    cursor = 0
     naive = 0
-    offsets = [0]
     for e, episode in enumerate(episodes):
+        root = roots.setdefault(episode.info.group_key, _Segment([], None))
         temps = _temperatures(episode)
-        slot: dict[int, int] = {}  # node id -> pack index
-        last: dict[int, int] = {}  # node id -> packed position of its last token
-        depth_end: dict[int, int] = {}  # node id -> depth just after its last token
+        last: dict[int, Ref] = {-1: (root, -1)}  # node id -> reference to its last token
         for node in training_nodes(episode):
-            k = len(parents)
-            slot[node.id] = k
-            parents.append(slot[node.parent] if node.parent >= 0 else -1)
-            n = len(node.tokens)
-            start_depth = depth_end[node.parent] if node.parent >= 0 else 0
-            ids.append(np.asarray(node.tokens, dtype=np.int64))
-            positions.append(np.arange(start_depth, start_depth + n, dtype=np.int64))
-            node_of.append(np.full(n, k, dtype=np.int64))
-            if node.kind == "act" and n:
-                first_source = last[node.parent] if node.parent >= 0 else -1
-                if first_source < 0:
+            refs = _insert(last[node.parent], node.tokens)
+            if node.kind == "act" and len(refs):
+                if node.parent < 0:
                     raise ValueError(f"session {episode.info.session_id}: action node {node.id} has no context")
-                sources = np.concatenate([[first_source], np.arange(cursor, cursor + n - 1)])
-                act["targets"].append(np.arange(cursor, cursor + n))
-                act["sources"].append(sources)
+                act["targets"].append(refs)
+                act["sources"].append([last[node.parent], *refs[:-1]])
+                n = len(refs)
                 act["temp"].append(np.full(n, temps.get(node.call_index, 1.0), dtype=np.float32))
                 act["lp"].append(np.asarray(node.logprobs, dtype=np.float32))
                 act["ver"].append(np.full(n, node.weight_version, dtype=np.int64))
                 act["ep"].append(np.full(n, e, dtype=np.int64))
                 act["call"].append(np.full(n, node.call_index, dtype=np.int64))
-            last[node.id] = cursor + n - 1 if n else last.get(node.parent, -1)
-            depth_end[node.id] = start_depth + n
-            cursor += n
+            last[node.id] = refs[-1] if len(refs) else last[node.parent]
         naive += sum(step.action_end for step in _unique_steps(episode))
-        offsets.append(cursor)
+    layout = _Layout(list(roots.values()))
     return PackedForest(
-        input_ids=_cat(ids, torch.int64),
-        position_ids=_cat(positions, torch.int64),
-        node_of=_cat(node_of, torch.int64),
-        ancestors=_ancestor_matrix(parents),
-        targets=_cat(act["targets"], torch.int64),
-        sources=_cat(act["sources"], torch.int64),
+        input_ids=torch.tensor(layout.ids, dtype=torch.int64),
+        position_ids=torch.tensor(layout.positions, dtype=torch.int64),
+        node_of=torch.tensor(layout.node_of, dtype=torch.int64),
+        ancestors=_ancestor_matrix(layout.parents),
+        targets=layout.positions_of(act["targets"]),
+        sources=layout.positions_of(act["sources"]),
         temperature=_cat(act["temp"], torch.float32),
         behaviour_logprobs=_cat(act["lp"], torch.float32),
         weight_version=_cat(act["ver"], torch.int64),
         episode=_cat(act["ep"], torch.int64),
         call_index=_cat(act["call"], torch.int64),
         naive_tokens=naive,
-        offsets=offsets,
+        offsets=layout.offsets,
     )
+
+
+class _Layout:
+    """The tries' segments in preorder (parents first), one row per tree: token ids, depths (position ids),
+    each token's segment index, each segment's parent index and where each segment starts."""
+
+    def __init__(self, roots: list[_Segment]) -> None:
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.node_of: list[int] = []
+        self.parents: list[int] = []
+        self.start: dict[_Segment, int] = {}
+        self.offsets = [0]
+        for root in roots:
+            for tree in root.children.values():
+                stack: list[tuple[_Segment, int, int]] = [(tree, -1, 0)]
+                while stack:
+                    seg, parent, depth = stack.pop()
+                    k = len(self.parents)
+                    self.parents.append(parent)
+                    self.start[seg] = len(self.ids)
+                    self.ids += seg.tokens
+                    self.positions += range(depth, depth + len(seg.tokens))
+                    self.node_of += [k] * len(seg.tokens)
+                    stack += [(child, k, depth + len(seg.tokens)) for child in reversed(seg.children.values())]
+                self.offsets.append(len(self.ids))
+
+    def positions_of(self, refs: list[list[Ref]]) -> torch.Tensor:
+        flat = [_resolve(ref) for part in refs for ref in part]
+        return torch.tensor([self.start[seg] + off for seg, off in flat], dtype=torch.int64)
 
 
 def _unique_steps(episode: EpisodeData) -> list:

@@ -59,8 +59,9 @@ def test_metrics_per_update(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert abs(m["ratio_min"] - 1) < 1e-4 and abs(m["ratio_max"] - 1) < 1e-4, m
     assert m["staleness_max"] == 0
     # two turns share the first prompt and answer: the tree forward packs 8+6+3+6 = 23 tokens per session
-    # where the naive one processes (8+6) + (17+6) = 37
-    assert abs(m["tree_token_saving"] - (1 - 23 / 37)) < 1e-6
+    # where the naive one processes (8+6) + (17+6) = 37; the 4 sessions of a task share their 8-token prompt
+    # (and any sampled tokens that coincide): at most 4 * 23 - 3 * 8 = 68 packed of 4 * 37 = 148
+    assert m["tree_token_saving"] >= 1 - 68 / 148 - 1e-9
     pool.close()
 
 

@@ -137,3 +137,52 @@ def test_detached_entropy_changes_nothing_but_the_graph(tiny_model_dir: Path) ->
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert outs[0].entropy.requires_grad and not outs[1].entropy.requires_grad
     assert torch.equal(outs[0].entropy.detach(), outs[1].entropy) and torch.equal(grads[0], grads[1])
+
+
+def group_of_sessions() -> list:
+    """Three sessions of one task: the same prompt, two of them sampling the same first answer, then apart."""
+    g = torch.Generator().manual_seed(7)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(10, 3000, (n,), generator=g).tolist()
+
+    prompt, same, tool = rand(20), rand(6), rand(5)
+    sessions = []
+    for i, first in enumerate([same, same, rand(6)]):
+        second = prompt + first + tool + rand(2)  # each session's own observation after the shared tool text
+        calls = [FakeCall(prompt, first, temperature=0.7), FakeCall(second, rand(4))]
+        sessions.append(episode_from_calls(f"s{i}", calls, task_id="t", harness="h"))
+    return sessions
+
+
+def test_sessions_of_a_group_share_their_prefix() -> None:
+    # by hand: prompt [1 2 3] is packed once; a's and b's answer [4 5] too; c's answer [4 6] shares its 4
+    a = episode_from_calls("a", [FakeCall([1, 2, 3], [4, 5])])
+    b = episode_from_calls("b", [FakeCall([1, 2, 3], [4, 5])])
+    c = episode_from_calls("c", [FakeCall([1, 2, 3], [4, 6])])
+    other = episode_from_calls("d", [FakeCall([1, 2, 3], [4, 5])], task_id="u")  # another group: its own row
+    f = pack_forest([a, b, c, other])
+    assert f.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]
+    assert f.position_ids.tolist() == [0, 1, 2, 3, 4, 4, 0, 1, 2, 3, 4]
+    assert f.offsets == [0, 6, 11]
+    assert f.targets.tolist() == [3, 4, 3, 4, 3, 5, 9, 10]  # each session's tokens, scored once each
+    assert f.sources.tolist() == [2, 3, 2, 3, 2, 3, 8, 9]
+    assert f.episode.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    allowed = f.attention_bias(torch.float32, 0, 6)[0, 0] == 0
+    assert allowed[5].tolist() == [True, True, True, True, False, True]  # 6 sees 1 2 3 4, not its sibling 5
+
+
+def test_shared_group_forward_and_gradients_equal_naive(tiny_model_dir: Path) -> None:
+    model = load(tiny_model_dir)
+    episodes = group_of_sessions()
+    forest = pack_forest(episodes)
+    apart = sum(pack_forest([ep]).num_tokens for ep in episodes)
+    assert forest.num_tokens == apart - 2 * 20 - 6 - 5  # the prompt once, the common answer and tool text once more
+    outputs = []
+    for fn in (lambda: forest_forward(model, forest).logprobs, lambda: naive_logprobs(model, episodes, forest)):
+        model.zero_grad()
+        logprobs = fn()
+        logprobs.sum().backward()
+        outputs.append((logprobs.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    torch.testing.assert_close(outputs[0][0], outputs[1][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(outputs[0][1], outputs[1][1], atol=1e-4, rtol=1e-4)

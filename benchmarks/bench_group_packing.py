@@ -1,0 +1,118 @@
+"""Group packing benchmark: a training step over a run's real RL groups, the sessions of each group packed as one
+trie (their common prompt forwarded once, trainer.tree_forward) against each session packed on its own (what the
+trainer did before), on the run's own SFT model.
+
+    .venv/bin/python benchmarks/bench_group_packing.py runs/quickstart            # 12 groups, best of 3
+    .venv/bin/python benchmarks/bench_group_packing.py runs/quickstart --groups 24 --bf16 --top-layers 10
+
+A step is what one micro-batch costs the trainer: forward of one group (micro_batch_episodes = its sessions) and
+backward of the sum of its action tokens' logprobs, with the bottom layers frozen as `train_layers` does. Both
+packings run in one process, alternating group by group, best of --repeats per group (robust on a shared machine).
+Printed: tokens through the model, seconds, action tokens/s, the ratio, and the largest logprob difference
+between the two packings (they score the same tokens in the same contexts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import trainer  # noqa: F401  (before torch: it sets OpenMP's wait policy, trainer/__init__.py)
+from datapool import open_pool
+from datapool.records import EpisodeData
+from trainer.tree_forward import forest_forward, pack_forest
+
+
+def rl_groups(run: Path, count: int) -> list[list[EpisodeData]]:
+    """The first `count` groups of RL sessions (two sessions or more) in the run's pool."""
+    pool = open_pool(f"sqlite:///{run / 'pool.db'}")
+    try:
+        by_group: dict[str, list[str]] = defaultdict(list)
+        for info in pool.list_sessions("completed"):
+            if info.purpose != "eval":
+                by_group[info.group_key].append(info.session_id)
+        chosen = [ids for ids in by_group.values() if len(ids) >= 2][:count]
+        return [[pool.get_episode(s) for s in ids] for ids in chosen]
+    finally:
+        pool.close()
+
+
+def apart(episodes: list[EpisodeData]) -> list[EpisodeData]:
+    """The same sessions, each in a group of its own: packed one tree per session."""
+    return [dataclasses.replace(ep, info=dataclasses.replace(ep.info, group_id=ep.info.session_id)) for ep in episodes]
+
+
+def freeze_below(model: torch.nn.Module, top: int | None) -> None:
+    if top is None:
+        return
+    layers = model.base_model.layers
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in layers[len(layers) - top:]:
+        layer.requires_grad_(True)
+    model.base_model.norm.requires_grad_(True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", type=Path, help="a run directory of `stepline run` (pool.db, model-sft/)")
+    p.add_argument("--model", type=Path, help="model directory (default RUN/model-sft)")
+    p.add_argument("--groups", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--top-layers", type=int, default=None, help="train only the top k layers (train_layers)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast, as autocast_bf16 does")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model or args.run / "model-sft", dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    freeze_below(model, args.top_layers)
+    groups = rl_groups(args.run, args.groups)
+    if not groups:
+        raise SystemExit(f"{args.run / 'pool.db'} holds no RL group of two sessions or more")
+    forests = {"shared": [pack_forest(g) for g in groups], "apart": [pack_forest(apart(g)) for g in groups]}
+
+    def step(forest) -> tuple[float, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16 else torch.autocast("cpu", enabled=False)
+        with ctx:
+            lp = forest_forward(model, forest, with_entropy=False).logprobs
+        lp.sum().backward()
+        return time.perf_counter() - start, lp.detach()
+
+    best = {k: [float("inf")] * len(groups) for k in forests}
+    diffs = []
+    for _ in range(args.repeats):
+        for i in range(len(groups)):
+            (ts, a), (tp, b) = step(forests["shared"][i]), step(forests["apart"][i])
+            best["shared"][i], best["apart"][i] = min(best["shared"][i], ts), min(best["apart"][i], tp)
+            diffs.append((a - b).abs())
+    sessions = sum(len(g) for g in groups)
+    actions = sum(len(f.targets) for f in forests["shared"])
+    print(f"{len(groups)} RL groups ({sessions} sessions, {actions:,} action tokens) of {args.run}; "
+          f"{'bf16 autocast' if args.bf16 else 'fp32'}, {'all' if args.top_layers is None else f'top {args.top_layers}'}"
+          f" layers trained, {args.threads} threads, best of {args.repeats}")
+    rows = [
+        ("tokens through the model", *(sum(f.num_tokens for f in forests[k]) for k in ("shared", "apart")), "{:,.0f}"),
+        ("training step, all groups (s)", sum(best["shared"]), sum(best["apart"]), "{:.2f}"),
+        ("action tokens/s", actions / sum(best["shared"]), actions / sum(best["apart"]), "{:,.0f}"),
+    ]
+    print(f"{'':32s} {'shared':>10s} {'apart':>10s} {'ratio':>8s}")
+    for name, shared, separate, fmt in rows:
+        print(f"{name:32s} {fmt.format(shared):>10s} {fmt.format(separate):>10s} {separate / shared if 'tokens/s' not in name else shared / separate:>7.2f}x")
+    diff = torch.cat(diffs)
+    print(f"same results: |logprob shared - apart| max {float(diff.max()):.2e}, mean {float(diff.mean()):.2e}")
+    print(f"per group (s, shared/apart): {np.round(np.array(best['shared']) / np.array(best['apart']), 2).tolist()}")
+
+
+if __name__ == "__main__":
+    main()
