@@ -187,7 +187,7 @@ def action_tokens(episode: EpisodeData) -> int:
 
 def group_filter(cfg: TrainerConfig):
     """Evaluation sessions never train; dynamic sampling (RL): a group whose outcomes do not vary carries no signal,
-    unless self-imitation is on and every episode of it succeeded."""
+    unless self-imitation is on and every episode of it succeeded, or negative reinforcement is on and none did."""
 
     def reason(group: Group) -> str | None:
         if any(ep.info.purpose == "eval" for ep in group.episodes):  # stepline eval's sessions
@@ -195,7 +195,8 @@ def group_filter(cfg: TrainerConfig):
         outcomes = [e.outcome for e in group.episodes]
         if cfg.mode == "rl" and cfg.dynamic_sampling and not has_reward_variance(outcomes):
             imitated = cfg.imitation_coef > 0 and bool(outcomes) and min(outcomes) >= cfg.imitation_min_outcome
-            return None if imitated else "no_variance"
+            penalised = cfg.failure_coef > 0 and bool(outcomes) and max(outcomes) < cfg.imitation_min_outcome
+            return None if imitated or penalised else "no_variance"
         return None
 
     return reason

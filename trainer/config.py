@@ -108,6 +108,9 @@ class TrainerConfig(BaseModel):
                                   "all reached it then train too, though dynamic sampling skips other flat groups "
                                   "(0: off)")
     imitation_min_outcome: float = Field(1.0, description="the outcome an episode needs for the imitation bonus")
+    failure_coef: float = Field(0.0, ge=0, description="negative reinforcement (NSR): subtracted from every step's "
+                                "advantage of an episode whose outcome stayed below imitation_min_outcome; groups "
+                                "that all failed then train too instead of being skipped (0: off)")
     kl_coef: float = Field(0.0, ge=0, description="weight of KL(policy || frozen reference); 0 loads no reference")
     kl_estimator: str = Field("k3", description="a key of KL_ESTIMATORS: k1 | k2 | k3")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")

@@ -98,6 +98,7 @@ class Objective:
     is_floor: float = 0.5  # IcePop's lower bound (tis_cap is the upper one)
     imitation_coef: float = 0.0  # self-imitation bonus on episodes with outcome >= imitation_min_outcome
     imitation_min_outcome: float = 1.0
+    failure_coef: float = 0.0  # negative reinforcement on episodes with outcome < imitation_min_outcome
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -216,8 +217,9 @@ def _advantages(batch: Batch, plan, aux, obj: Objective, gold: torch.Tensor | No
         values = ranks.sum_tensor(owned)[batch.owner_rows()]
     inputs = batch.advantage_inputs(values, gold)
     advantages = ADVANTAGES[obj.advantage](inputs, **obj.advantage_args)
-    if obj.imitation_coef > 0:
-        bonus = imitation_bonus(inputs.outcome, coef=obj.imitation_coef, min_outcome=obj.imitation_min_outcome)
+    if obj.imitation_coef > 0 or obj.failure_coef > 0:
+        bonus = imitation_bonus(inputs.outcome, coef=obj.imitation_coef, min_outcome=obj.imitation_min_outcome,
+                                failure_coef=obj.failure_coef)
         advantages = advantages + bonus[inputs.step_episode]
     if values is None:
         return advantages, None, None

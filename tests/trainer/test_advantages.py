@@ -252,3 +252,6 @@ def test_imitation_bonus_rewards_only_episodes_that_reached_the_bar() -> None:
     outcome = torch.tensor([1.0, 0.0, 0.5, 1.0])
     torch.testing.assert_close(imitation_bonus(outcome, coef=0.3, min_outcome=1.0), torch.tensor([0.3, 0.0, 0.0, 0.3]))
     torch.testing.assert_close(imitation_bonus(outcome, coef=0.3, min_outcome=0.5), torch.tensor([0.3, 0.0, 0.3, 0.3]))
+    # negative reinforcement: the episodes below the bar (0.0 and 0.5 for a bar of 1) get -0.2
+    torch.testing.assert_close(imitation_bonus(outcome, coef=0.3, min_outcome=1.0, failure_coef=0.2),
+                               torch.tensor([0.3, -0.2, -0.2, 0.3]))

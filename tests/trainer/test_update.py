@@ -295,3 +295,23 @@ def test_self_imitation_trains_groups_that_all_succeeded(tiny_model_dir: Path, t
     batch = build_batch([solved])
     logprob = [update(policy, batch, objective(cfg, i, False), version=0)["logprob_mean"] for i in range(4)]
     assert logprob[-1] > logprob[0] + 0.2, logprob  # the solved episodes' own tokens became more likely
+
+
+def test_negative_reinforcement_trains_groups_that_all_failed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from trainer.loop import group_filter
+
+    (failed,) = toy_groups(1)
+    for ep in failed.episodes:
+        ep.rewards[0].value = 0.25  # partial credit, the same for all: no variance, none reached the bar of 1
+    cfg, policy = policy_for(tiny_model_dir, tmp_path, failure_coef=0.5, lr=1e-2)
+    assert group_filter(TrainerConfig(model_dir=tiny_model_dir))(failed) == "no_variance"
+    assert group_filter(cfg)(failed) is None
+    solved = toy_groups(1)[0]
+    for ep in solved.episodes:
+        ep.rewards[0].value = 1.0
+    assert group_filter(cfg)(solved) == "no_variance"  # nothing failed, and self-imitation is off
+    batch = build_batch([failed])
+    metrics = [update(policy, batch, objective(cfg, i, False), version=0) for i in range(4)]
+    assert metrics[0]["adv_max"] == metrics[0]["adv_min"] == -0.5
+    logprob = [m["logprob_mean"] for m in metrics]
+    assert logprob[-1] < logprob[0] - 0.2, logprob  # the failed episodes' own tokens became less likely

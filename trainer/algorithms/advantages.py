@@ -64,14 +64,17 @@ def group_normalize(outcome: Tensor, group: Tensor, *, scale_by_std: bool = True
     return torch.where(varies[g], centred, torch.zeros_like(centred))
 
 
-def imitation_bonus(outcome: Tensor, *, coef: float, min_outcome: float) -> Tensor:
+def imitation_bonus(outcome: Tensor, *, coef: float, min_outcome: float, failure_coef: float = 0.0) -> Tensor:
     """Self-imitation (SIL, Oh et al. 2018; RAFT, Dong et al. 2023): `coef` for every episode whose outcome
-    reached `min_outcome`, 0 for the others. outcome [E] -> [E], added to each step's advantage on top of the
-    estimator's. A group whose episodes all succeeded has estimator advantage 0 everywhere; with the bonus it
-    still raises the probability of what the policy already does right, which sharpens a policy whose
-    failures come from sampling its own low-probability tail.
+    reached `min_outcome`; and negative reinforcement (NSR, Zhu et al. 2025, "The Surprising Effectiveness of
+    Negative Reinforcement in LLM Reasoning"): −`failure_coef` for every other one. outcome [E] -> [E], added
+    to each step's advantage on top of the estimator's. A group whose episodes all succeeded, or all failed,
+    has estimator advantage 0 everywhere; the bonus still raises the probability of what the policy already
+    does right (sharpening a policy whose failures come from sampling its own low-probability tail), and the
+    penalty lowers that of what a confident policy gets wrong every time, moving its mass to the alternatives
+    it gave less weight (exploring where no sample of the group succeeded).
     """
-    return torch.where(outcome >= min_outcome, torch.full_like(outcome, coef), torch.zeros_like(outcome))
+    return torch.where(outcome >= min_outcome, torch.full_like(outcome, coef), torch.full_like(outcome, -failure_coef))
 
 
 def leave_one_out(outcome: Tensor, group: Tensor) -> Tensor:
