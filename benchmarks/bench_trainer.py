@@ -21,7 +21,8 @@ Tree mode: each session is a chain of turns (prompt, then per turn: sampled acti
 through the pool's own radix tree and steps view. A *training step* is forward + backward of the action
 tokens' logprobs for all sessions:
 
-- tree:  each session's tree once, tree attention mask, one padded row per session (trainer.tree_forward);
+- tree:  each session's tree once, tree attention mask, one padded row per tree (trainer.tree_forward; these
+         sessions share no prefix, so a row each: benchmarks/bench_group_packing.py measures groups that do);
 - naive: every step's full sequence (state + action) as its own row, right-padded, `rows` per forward
          (sorted by length, so padding is small) — how a trainer that treats each turn as one completion
          sees the data.
