@@ -98,8 +98,10 @@ def test_online_updates_wait_for_a_full_batch(tiny_model_dir: Path, tmp_path: Pa
 
     producer = threading.Thread(target=arrive)
     producer.start()
+    # group_size = 4: a group is ready with its 4 sessions (without it, a loaded machine let the trainer claim a
+    # group whose 4th session was still being written: 11 episodes)
     cfg = TrainerConfig(model_dir=tiny_model_dir, output_dir=tmp_path / "run", groups_per_update=3, max_updates=1,
-                        dynamic_sampling=False, poll_interval=0.05, progress=False, tensorboard=False)
+                        group_size=4, dynamic_sampling=False, poll_interval=0.05, progress=False, tensorboard=False)
     train(cfg, pool, NoWeightSync())
     producer.join()
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
