@@ -15,6 +15,7 @@ between the two packings (they score the same tokens in the same contexts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import time
 from collections import defaultdict
@@ -26,6 +27,7 @@ import torch
 import trainer  # noqa: F401  (before torch: it sets OpenMP's wait policy, trainer/__init__.py)
 from datapool import open_pool
 from datapool.records import EpisodeData
+from trainer.trainable import freeze_below_top
 from trainer.tree_forward import forest_forward, pack_forest
 
 
@@ -48,17 +50,6 @@ def apart(episodes: list[EpisodeData]) -> list[EpisodeData]:
     return [dataclasses.replace(ep, info=dataclasses.replace(ep.info, group_id=ep.info.session_id)) for ep in episodes]
 
 
-def freeze_below(model: torch.nn.Module, top: int | None) -> None:
-    if top is None:
-        return
-    layers = model.base_model.layers
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for layer in layers[len(layers) - top:]:
-        layer.requires_grad_(True)
-    model.base_model.norm.requires_grad_(True)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", type=Path, help="a run directory of `stepline run` (pool.db, model-sft/)")
@@ -74,7 +65,8 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(args.model or args.run / "model-sft", dtype=torch.float32,
                                                  attn_implementation="sdpa")
-    freeze_below(model, args.top_layers)
+    if args.top_layers is not None:
+        freeze_below_top(model, args.top_layers)
     groups = rl_groups(args.run, args.groups)
     if not groups:
         raise SystemExit(f"{args.run / 'pool.db'} holds no RL group of two sessions or more")
@@ -83,8 +75,7 @@ def main() -> None:
     def step(forest) -> tuple[float, torch.Tensor]:
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16 else torch.autocast("cpu", enabled=False)
-        with ctx:
+        with torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext():
             lp = forest_forward(model, forest, with_entropy=False).logprobs
         lp.sum().backward()
         return time.perf_counter() - start, lp.detach()
@@ -101,14 +92,17 @@ def main() -> None:
     print(f"{len(groups)} RL groups ({sessions} sessions, {actions:,} action tokens) of {args.run}; "
           f"{'bf16 autocast' if args.bf16 else 'fp32'}, {'all' if args.top_layers is None else f'top {args.top_layers}'}"
           f" layers trained, {args.threads} threads, best of {args.repeats}")
-    rows = [
-        ("tokens through the model", *(sum(f.num_tokens for f in forests[k]) for k in ("shared", "apart")), "{:,.0f}"),
-        ("training step, all groups (s)", sum(best["shared"]), sum(best["apart"]), "{:.2f}"),
-        ("action tokens/s", actions / sum(best["shared"]), actions / sum(best["apart"]), "{:,.0f}"),
+    tokens = [sum(f.num_tokens for f in forests[k]) for k in ("shared", "apart")]
+    seconds = [sum(best[k]) for k in ("shared", "apart")]
+    rows = [  # (name, shared, apart, format); the gain is apart/shared for costs, shared/apart for the rate
+        ("tokens through the model", *tokens, "{:,.0f}"),
+        ("training step, all groups (s)", *seconds, "{:.2f}"),
+        ("action tokens/s", actions / seconds[0], actions / seconds[1], "{:,.0f}"),
     ]
-    print(f"{'':32s} {'shared':>10s} {'apart':>10s} {'ratio':>8s}")
-    for name, shared, separate, fmt in rows:
-        print(f"{name:32s} {fmt.format(shared):>10s} {fmt.format(separate):>10s} {separate / shared if 'tokens/s' not in name else shared / separate:>7.2f}x")
+    print(f"{'':32s} {'shared':>10s} {'apart':>10s} {'gain':>8s}")
+    for i, (name, shared, separate, fmt) in enumerate(rows):
+        gain = shared / separate if i == 2 else separate / shared
+        print(f"{name:32s} {fmt.format(shared):>10s} {fmt.format(separate):>10s} {gain:>7.2f}x")
     diff = torch.cat(diffs)
     print(f"same results: |logprob shared - apart| max {float(diff.max()):.2e}, mean {float(diff.mean()):.2e}")
     print(f"per group (s, shared/apart): {np.round(np.array(best['shared']) / np.array(best['apart']), 2).tolist()}")

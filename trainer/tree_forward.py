@@ -105,18 +105,16 @@ class _Segment:
     """A run of packed tokens in the shared-prefix trie of one group's sessions. Splitting it at k moves
     tokens[k:] and the children into a new segment; `moved` = (k, that segment) redirects references."""
 
-    __slots__ = ("children", "moved", "parent", "tokens")
+    __slots__ = ("children", "moved", "tokens")
 
-    def __init__(self, tokens: list[int], parent: _Segment | None) -> None:
-        self.tokens, self.parent = tokens, parent
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
         self.children: dict[int, _Segment] = {}
         self.moved: tuple[int, _Segment] | None = None
 
     def split(self, k: int) -> None:
-        tail = _Segment(self.tokens[k:], self)
+        tail = _Segment(self.tokens[k:])
         tail.children = self.children
-        for child in tail.children.values():
-            child.parent = tail
         if self.moved is not None:  # an earlier split at a later offset now starts inside the tail
             tail.moved = (self.moved[0] - k, self.moved[1])
         self.tokens, self.children, self.moved = self.tokens[:k], {tail.tokens[0]: tail}, (k, tail)
@@ -151,7 +149,7 @@ def _insert(after: Ref, tokens: np.ndarray) -> list[Ref]:
         elif token in seg.children:
             seg, off = seg.children[token], 0
         else:
-            fresh = seg.children[token] = _Segment([token], seg)
+            fresh = seg.children[token] = _Segment([token])
             seg, off = fresh, 0
         refs.append((seg, off))
     return refs
@@ -167,14 +165,14 @@ def pack_forest(episodes: list[EpisodeData]) -> PackedForest:
     act: dict[str, list] = {k: [] for k in ("targets", "sources", "temp", "lp", "ver", "ep", "call")}
     naive = 0
     for e, episode in enumerate(episodes):
-        root = roots.setdefault(episode.info.group_key, _Segment([], None))
+        root = roots.setdefault(episode.info.group_key, _Segment([]))
         temps = _temperatures(episode)
         last: dict[int, Ref] = {-1: (root, -1)}  # node id -> reference to its last token
         for node in training_nodes(episode):
+            if node.kind == "act" and len(node.tokens) and node.parent < 0:
+                raise ValueError(f"session {episode.info.session_id}: action node {node.id} has no context")
             refs = _insert(last[node.parent], node.tokens)
-            if node.kind == "act" and len(refs):
-                if node.parent < 0:
-                    raise ValueError(f"session {episode.info.session_id}: action node {node.id} has no context")
+            if node.kind == "act" and refs:
                 act["targets"].append(refs)
                 act["sources"].append([last[node.parent], *refs[:-1]])
                 n = len(refs)
