@@ -6,9 +6,9 @@ model once per step on that step's full sequence, recomputing the shared prefix 
 sequence, parents first, and the model gets a *tree attention mask*: each token attends to the tokens
 of its ancestor nodes and to the earlier tokens of its own node. Position ids are the depth in the
 tree, so every token sees exactly the context and positions it had when the engine sampled it.
-The sessions of a group (same task, same harness) begin with the same prompt: they are packed as one
-trie, so the tokens they share are forwarded once. Groups share one forward pass (a forest) as the rows
-of a padded batch.
+The sessions of a harness begin with the same system prompt and tool list, and those of a group (same
+task, same harness) with the same whole prompt: a harness's sessions are packed as one trie, so the tokens
+they share are forwarded once. Harnesses share one forward pass (a forest) as the rows of a padded batch.
 
     forest = pack_forest(episodes)                     # PackedForest, plain tensors
     out = forest_forward(model, forest)                # ForestOutput: logprobs [A], entropy [A], values [A]
@@ -49,7 +49,7 @@ class PackedForest:
     episode: torch.Tensor  # int64 [A]: index of the token's episode in the list given to pack_forest
     call_index: torch.Tensor  # int64 [A]: the call (step) that sampled the token
     naive_tokens: int  # tokens a per-step forward would process: sum over steps of len(state + action)
-    offsets: list[int]  # row i (one group's tree) is input_ids[offsets[i]:offsets[i + 1]]
+    offsets: list[int]  # row i (one harness's tree) is input_ids[offsets[i]:offsets[i + 1]]
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +66,7 @@ class PackedForest:
         return bias[None, None]
 
     def batch_rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One padded row per group's tree (attention never crosses groups, so no quadratic cost across them):
+        """One padded row per harness's tree (attention never crosses harnesses, so no quadratic cost across them):
         input_ids [B, L], position_ids [B, L], bias [B, 1, L, L], and the flat index (row * L + col) of
         each packed token [N]. Padding attends only to itself (no empty softmax rows)."""
         spans = [(a, b) for a, b in zip(self.offsets[:-1], self.offsets[1:]) if b > a]
@@ -102,7 +102,7 @@ def _temperatures(episode: EpisodeData) -> dict[int, float]:
 
 
 class _Segment:
-    """A run of packed tokens in the shared-prefix trie of one group's sessions. Splitting it at k moves
+    """A run of packed tokens in the shared-prefix trie of one harness's sessions. Splitting it at k moves
     tokens[k:] and the children into a new segment; `moved` = (k, that segment) redirects references."""
 
     __slots__ = ("children", "moved", "tokens")
@@ -157,15 +157,16 @@ def _insert(after: Ref, tokens: np.ndarray) -> list[Ref]:
 
 def pack_forest(episodes: list[EpisodeData]) -> PackedForest:
     """Lay the training nodes of the episodes out in one sequence (parents before children), the sessions of a
-    group sharing the tokens they have in common: a group's sessions begin with the same prompt (same task,
-    same harness), so that prompt is packed, forwarded and back-propagated once instead of once per session.
-    Each group is one tree (one batch row); its tokens are a trie of its sessions' paths, so every packed token
-    has exactly the context and position it had in each session that holds it."""
+    harness sharing the tokens they have in common: they begin with the same system prompt and tools, a group's
+    (same task) with the same whole prompt, so what they share is packed, forwarded and back-propagated once
+    instead of once per session. Each harness is one tree (one batch row); its tokens are a trie of its
+    sessions' paths, so every packed token has exactly the context and position it had in each session that
+    holds it."""
     roots: dict[str, _Segment] = {}
     act: dict[str, list] = {k: [] for k in ("targets", "sources", "temp", "lp", "ver", "ep", "call")}
     naive = 0
     for e, episode in enumerate(episodes):
-        root = roots.setdefault(episode.info.group_key, _Segment([]))
+        root = roots.setdefault(episode.info.harness, _Segment([]))
         temps = _temperatures(episode)
         last: dict[int, Ref] = {-1: (root, -1)}  # node id -> reference to its last token
         for node in training_nodes(episode):

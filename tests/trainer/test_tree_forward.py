@@ -139,8 +139,9 @@ def test_detached_entropy_changes_nothing_but_the_graph(tiny_model_dir: Path) ->
     assert torch.equal(outs[0].entropy.detach(), outs[1].entropy) and torch.equal(grads[0], grads[1])
 
 
-def group_of_sessions() -> list:
-    """Three sessions of one task: the same prompt, two of them sampling the same first answer, then apart."""
+def sessions_of_a_harness() -> list:
+    """Three sessions of one task (the same prompt, two of them sampling the same first answer, then apart) and one
+    of another task of the same harness (the same system prompt)."""
     g = torch.Generator().manual_seed(7)
 
     def rand(n: int) -> list[int]:
@@ -152,32 +153,37 @@ def group_of_sessions() -> list:
         second = prompt + first + tool + rand(2)  # each session's own observation after the shared tool text
         calls = [FakeCall(prompt, first, temperature=0.7), FakeCall(second, rand(4))]
         sessions.append(episode_from_calls(f"s{i}", calls, task_id="t", harness="h"))
+    other_task = prompt[:12] + rand(8)  # the harness's system prompt, then another task
+    sessions.append(episode_from_calls("s3", [FakeCall(other_task, rand(5))], task_id="u", harness="h"))
     return sessions
 
 
-def test_sessions_of_a_group_share_their_prefix() -> None:
-    # by hand: prompt [1 2 3] is packed once; a's and b's answer [4 5] too; c's answer [4 6] shares its 4
+def test_sessions_of_a_harness_share_their_prefix() -> None:
+    # by hand: prompt [1 2 3] is packed once; a's and b's answer [4 5] too; c's answer [4 6] shares its 4;
+    # d, another task of the same harness, shares whatever its tokens have in common with them (here all)
     a = episode_from_calls("a", [FakeCall([1, 2, 3], [4, 5])])
     b = episode_from_calls("b", [FakeCall([1, 2, 3], [4, 5])])
     c = episode_from_calls("c", [FakeCall([1, 2, 3], [4, 6])])
-    other = episode_from_calls("d", [FakeCall([1, 2, 3], [4, 5])], task_id="u")  # another group: its own row
-    f = pack_forest([a, b, c, other])
+    d = episode_from_calls("d", [FakeCall([1, 2, 3], [4, 5])], task_id="u")
+    other = episode_from_calls("e", [FakeCall([1, 2, 3], [4, 5])], harness="x")  # another harness: its own row
+    f = pack_forest([a, b, c, d, other])
     assert f.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]
     assert f.position_ids.tolist() == [0, 1, 2, 3, 4, 4, 0, 1, 2, 3, 4]
     assert f.offsets == [0, 6, 11]
-    assert f.targets.tolist() == [3, 4, 3, 4, 3, 5, 9, 10]  # each session's tokens, scored once each
-    assert f.sources.tolist() == [2, 3, 2, 3, 2, 3, 8, 9]
-    assert f.episode.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert f.targets.tolist() == [3, 4, 3, 4, 3, 5, 3, 4, 9, 10]  # each session's tokens, scored once each
+    assert f.sources.tolist() == [2, 3, 2, 3, 2, 3, 2, 3, 8, 9]
+    assert f.episode.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     allowed = f.attention_bias(torch.float32, 0, 6)[0, 0] == 0
     assert allowed[5].tolist() == [True, True, True, True, False, True]  # 6 sees 1 2 3 4, not its sibling 5
 
 
-def test_shared_group_forward_and_gradients_equal_naive(tiny_model_dir: Path) -> None:
+def test_shared_harness_forward_and_gradients_equal_naive(tiny_model_dir: Path) -> None:
     model = load(tiny_model_dir)
-    episodes = group_of_sessions()
+    episodes = sessions_of_a_harness()
     forest = pack_forest(episodes)
     apart = sum(pack_forest([ep]).num_tokens for ep in episodes)
-    assert forest.num_tokens == apart - 2 * 20 - 6 - 5  # the prompt once, the common answer and tool text once more
+    # the group's prompt once, the common answer and tool text once more, the other task's system prompt once
+    assert forest.num_tokens == apart - 2 * 20 - 6 - 5 - 12
     outputs = []
     for fn in (lambda: forest_forward(model, forest).logprobs, lambda: naive_logprobs(model, episodes, forest)):
         model.zero_grad()
