@@ -94,7 +94,8 @@ def find_id(screen: str, label: str) -> int | None:
 
 
 class ExpertPolicy:
-    """Follows the task's plan by reading the rendered screens; scrolls down to reach hidden items."""
+    """Follows the task's plan by reading the rendered screens; scrolls down to reach hidden items. Each action
+    comes after a sentence that names its element ("Tap Sound.")."""
 
     def __init__(self, task: Task, first_screen: str):
         self.goals = list(task.plan)
@@ -116,14 +117,23 @@ class ExpertPolicy:
             self.goals.pop(0)
             self.asked = True
             return tool_turn("ask_user", turn, question=args[0])
-        node_id = find_id(self.screen, args[0].replace("{reply}", self.reply))
+        label = args[0].replace("{reply}", self.reply)
+        node_id = find_id(self.screen, label)
         if node_id is None:
-            more = "(more below)" in self.screen
-            return tool_turn("scroll", turn, direction="down") if more else final_turn("I could not do it.")
+            if "(more below)" not in self.screen:
+                return final_turn("I could not do it.")
+            return said(f"{label} is not shown: scroll down.", tool_turn("scroll", turn, direction="down"))
         self.goals.pop(0)
         if action == "tap":
-            return tool_turn("tap", turn, id=node_id)
-        return tool_turn("type", turn, id=node_id, text=args[1].replace("{reply}", self.reply))
+            return said(f"Tap {label}.", tool_turn("tap", turn, id=node_id))
+        text = args[1].replace("{reply}", self.reply)
+        return said(f"Type {text} into {label}.", tool_turn("type", turn, id=node_id, text=text))
+
+
+def said(text: str, turn: Turn) -> Turn:
+    """The turn with a sentence before its tool call naming the element it acts on: the id a model must write
+    is then the one shown next to a label it has just written (looked up, not recalled)."""
+    return Turn(text, turn.tool_calls)
 
 
 def play(task_id: str, max_turns: int, max_tokens: int = 128, expert: bool = False) -> Episode:

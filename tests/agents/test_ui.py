@@ -94,6 +94,26 @@ def test_expert_solves_every_test_task_in_at_most_three_actions() -> None:
         assert len(episode.calls) <= 3 and episode.final == "Done."
 
 
+def test_expert_names_the_element_before_acting_on_it() -> None:
+    # each action follows a sentence with the label its id has on the screen it acts on (the demo a model copies)
+    said = []
+    for task_id in split_ids("test"):
+        episode = play(task_id, MAX_TURNS, expert=True)
+        screen = episode.messages[1]["content"].split("\n\n", 1)[1]
+        for message, result in zip(episode.messages[2::2], episode.messages[3::2]):
+            (call,) = message["tool_calls"]
+            name, args = call["function"]["name"], json.loads(call["function"]["arguments"])
+            if name in ("tap", "type"):
+                label = find_label(screen, args["id"])
+                assert message["content"] == (f"Tap {label}." if name == "tap" else f"Type {args['text']} into {label}.")
+            elif name == "scroll":
+                assert message["content"].endswith(" is not shown: scroll down.")
+            said.append(name)
+            if name != "ask_user":
+                screen = result["content"]
+    assert {"tap", "type", "scroll", "ask_user"} <= set(said)
+
+
 def _random_call(rng: random.Random) -> tuple[str, dict]:
     return rng.choice([
         ("tap", {"id": rng.randint(1, 6)}), ("type", {"id": rng.randint(1, 6), "text": rng.choice(["07:30", "2"])}),
