@@ -5,7 +5,7 @@ Harnesses import only `agents.*` and public libraries; nothing here knows about 
 
 from agents.common.cli import Verdict, failed, run_command, tasks_command, verdict_for, verify_command
 from agents.common.episode import EPISODE_FILE, Episode, EpisodeError, ToolCall, read_episode, write_episode
-from agents.common.loop import EndpointError, OpenAIPolicy, RawCall, Turn, final_turn, run_episode, tool_turn
+from agents.common.loop import EndpointError, OpenAIPolicy, RawCall, Turn, final_turn, run_episode, said, tool_turn
 from agents.common.scoring import exact_match, normalize_answer, token_f1
 from agents.common.tools import Tool, ToolError, anthropic_schema, call_tool, openai_schema
 
@@ -13,5 +13,5 @@ __all__ = [
     "EPISODE_FILE", "EndpointError", "Episode", "EpisodeError", "OpenAIPolicy", "RawCall", "Tool", "ToolCall",
     "ToolError", "Turn", "Verdict", "anthropic_schema", "call_tool", "exact_match", "failed", "final_turn",
     "normalize_answer", "openai_schema", "read_episode", "run_command", "run_episode", "tasks_command",
-    "token_f1", "tool_turn", "verdict_for", "verify_command", "write_episode",
+    "said", "token_f1", "tool_turn", "verdict_for", "verify_command", "write_episode",
 ]

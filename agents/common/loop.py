@@ -58,6 +58,11 @@ def final_turn(text: str) -> Turn:
     return Turn(text, [])
 
 
+def said(text: str, turn: Turn) -> Turn:
+    """A scripted turn with a sentence before its tool calls (an expert saying what it read or acts on)."""
+    return Turn(text, turn.tool_calls)
+
+
 @functools.cache
 def tls_context() -> ssl.SSLContext:
     """httpx's default TLS context (certifi, or SSL_CERT_FILE/SSL_CERT_DIR), built once per process:

@@ -6,7 +6,18 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from agents.common import Episode, OpenAIPolicy, Tool, ToolCall, ToolError, Turn, final_turn, run_episode, tool_turn
+from agents.common import (
+    Episode,
+    OpenAIPolicy,
+    Tool,
+    ToolCall,
+    ToolError,
+    Turn,
+    final_turn,
+    run_episode,
+    said,
+    tool_turn,
+)
 from agents.ui.apps import APPS
 from agents.ui.screen import App
 from agents.ui.world import DEFAULT_REPLY, Task, task_by_id
@@ -95,7 +106,8 @@ def find_id(screen: str, label: str) -> int | None:
 
 class ExpertPolicy:
     """Follows the task's plan by reading the rendered screens; scrolls down to reach hidden items. Each action
-    comes after a sentence that names its element ("Tap Sound.")."""
+    comes after a sentence that names its element ("Tap Sound."): the id a model must write is then the one
+    shown next to a label it has just written (looked up, not recalled)."""
 
     def __init__(self, task: Task, first_screen: str):
         self.goals = list(task.plan)
@@ -129,11 +141,6 @@ class ExpertPolicy:
         text = args[1].replace("{reply}", self.reply)
         return said(f"Type {text} into {label}.", tool_turn("type", turn, id=node_id, text=text))
 
-
-def said(text: str, turn: Turn) -> Turn:
-    """The turn with a sentence before its tool call naming the element it acts on: the id a model must write
-    is then the one shown next to a label it has just written (looked up, not recalled)."""
-    return Turn(text, turn.tool_calls)
 
 
 def play(task_id: str, max_turns: int, max_tokens: int = 128, expert: bool = False) -> Episode:
