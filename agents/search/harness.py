@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from agents.common import Episode, OpenAIPolicy, Tool, Turn, final_turn, run_episode, said, tool_turn
+from agents.common import Episode, OpenAIPolicy, Tool, Turn, final_turn, run_episode, tool_turn
 from agents.search.index import index
 from agents.search.world import Task, task_by_id
 
@@ -28,9 +28,8 @@ TOOLS = [
     Tool("answer", "Give the final answer.", {"text": "string"}, answer),
 ]
 
-# what the answer looks like in the maker's passage, per relation, and the words before it there
+# what the answer looks like in the maker's passage, per relation
 ANSWER_PATTERNS = {"born": r"born in (\w+)", "lives": r"lives in (\w+)", "spouse": r"married to (\w+)"}
-SAYINGS = {"born": "born in", "lives": "lives in", "spouse": "married to"}
 
 
 def _find(result: str, title: str, pattern: str) -> str | None:
@@ -42,9 +41,7 @@ def _find(result: str, title: str, pattern: str) -> str | None:
 
 
 def expert_policy(task: Task):
-    """A scripted solver that reads the tool results like an agent would (so it checks the tasks are solvable).
-    Before a lookup or an answer it says the fact it read ("Kalomi is by Ravute.", "Ravute: born in Belo."),
-    so a model it teaches writes the passage's own words just before the name it must copy from them."""
+    """A scripted solver that reads the tool results like an agent would (so it checks the tasks are solvable)."""
 
     def policy(messages: list[dict[str, Any]]) -> Turn:
         results = [m["content"] for m in messages if m["role"] == "tool"]
@@ -54,11 +51,9 @@ def expert_policy(task: Task):
         if maker is None:
             return final_turn("I could not find it.")
         if len(results) == 1:
-            return said(f"{task.work} is by {maker}.", tool_turn("search", 1, query=maker))
+            return tool_turn("search", 1, query=maker)
         found = _find(results[1], maker, ANSWER_PATTERNS[task.relation])
-        if found is None:
-            return final_turn("I could not find it.")
-        return said(f"{maker}: {SAYINGS[task.relation]} {found}.", tool_turn("answer", 2, text=found))
+        return tool_turn("answer", 2, text=found) if found else final_turn("I could not find it.")
 
     return policy
 
