@@ -177,7 +177,8 @@ class JobConfig(_Section):
                                      "starts after it, and the evaluation after RL follows (None: none)")
     job_minutes: float | None = Field(None, gt=0, description="time bound of the whole job, resumes included: the RL "
                                       "phase stops starting updates when what is left would not hold the evaluation "
-                                      "after it (timed as the one before); with rl_minutes, the earlier bound wins")
+                                      "after it (timed as 1.5x the one before: a trained policy runs longer episodes); "
+                                      "with rl_minutes, the earlier bound wins")
     groups_ahead: int = Field(1, ge=1, description="finished rollout batches that may wait for the trainer")
     max_batches_per_update: int = Field(3, ge=1, description="rollout batches per RL update at most (dynamic sampling "
                                         "draws more when groups have no reward variance); then the job winds down")

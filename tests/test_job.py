@@ -98,7 +98,7 @@ def test_the_rl_time_bound_counts_what_earlier_runs_spent(tmp_path: Path, tiny_m
 
 def test_the_job_time_bound_leaves_room_for_the_last_evaluation(tmp_path: Path) -> None:
     """`job_minutes` bounds the whole job: RL gets what the phases before it left, less the evaluation after it
-    (as long as the one before); with `rl_minutes` too, the tighter bound wins."""
+    (half as long again as the one before); with `rl_minutes` too, the tighter bound wins."""
     import json
 
     from stepline.run import RunDir, rl_seconds_left
@@ -107,11 +107,11 @@ def test_the_job_time_bound_leaves_room_for_the_last_evaluation(tmp_path: Path) 
     run.root.mkdir()
     (run.root / "phases.json").write_text(json.dumps({"model": 10.0, "sft": 290.0, "eval_before": 150.0}))
     job.write_text("job_minutes = 30\n")
-    assert rl_seconds_left(load_job(job), run) == pytest.approx(1800 - 450 - 150)
+    assert rl_seconds_left(load_job(job), run) == pytest.approx(1800 - 450 - 1.5 * 150)
     job.write_text("job_minutes = 30\nrl_minutes = 10\n")
     assert rl_seconds_left(load_job(job), run) == pytest.approx(600)
     job.write_text("job_minutes = 30\nrl_minutes = 25\n")
-    assert rl_seconds_left(load_job(job), run) == pytest.approx(1200)
+    assert rl_seconds_left(load_job(job), run) == pytest.approx(1125)
     (run.root / "phases.json").write_text(json.dumps({"sft": 290.0, "eval_before": 150.0, "rl": 1300.0}))  # resumed
     assert 0 < rl_seconds_left(load_job(job), run) < 0.01
 
