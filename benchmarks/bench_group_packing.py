@@ -46,8 +46,9 @@ def rl_groups(run: Path, count: int) -> list[list[EpisodeData]]:
 
 
 def apart(episodes: list[EpisodeData]) -> list[EpisodeData]:
-    """The same sessions, each in a group of its own: packed one tree per session."""
-    return [dataclasses.replace(ep, info=dataclasses.replace(ep.info, group_id=ep.info.session_id)) for ep in episodes]
+    """The same sessions, each under a harness name of its own: pack_forest builds one trie per harness, so each
+    session is packed as its own tree (its own row)."""
+    return [dataclasses.replace(ep, info=dataclasses.replace(ep.info, harness=ep.info.session_id)) for ep in episodes]
 
 
 def main() -> None:

@@ -142,7 +142,6 @@ class ExpertPolicy:
         return said(f"Type {text} into {label}.", tool_turn("type", turn, id=node_id, text=text))
 
 
-
 def play(task_id: str, max_turns: int, max_tokens: int = 128, expert: bool = False) -> Episode:
     task = task_by_id()[task_id]
     app = make_app(task)
