@@ -23,7 +23,8 @@ class GatewaySettings(BaseModel):
         256, ge=1, description="largest prompts x n of one call (each is one engine request)"
     )
     session_idle_timeout: float = Field(
-        24 * 3600.0, gt=0, description="open sessions without a call for this long end as `abandoned`"
+        24 * 3600.0, gt=0,
+        description="open sessions with no call running and none started or ended for this long end as `abandoned`",
     )
     spill_path: str | None = Field(
         None, description="local file for calls the pool cannot take yet (answers wait until each call is in the "

@@ -6,7 +6,7 @@ and an open member keeps its whole group from being claimed. So:
 - at start, the pool's open sessions created more than `session_idle_timeout` s ago end as
   `abandoned` (those a killed gateway left behind: nothing can reach them any more; with several
   gateways on one pool, keep the timeout above the longest episode);
-- every min(timeout / 4, 300) s, sessions of this gateway without a call for `session_idle_timeout` s
+- every min(timeout / 4, 300) s, sessions of this gateway with no call running and none ended for `session_idle_timeout` s
   end as `abandoned` (through the recorder, after their queued calls; a later call gets 409), and so do
   the pool's open sessions that are not this gateway's and were created more than the timeout ago: the
   orphans of a gateway killed after this one started, or too recently for the sweep at start.

@@ -89,7 +89,8 @@ class Session:
     texts: TextMemory  # the Completions API's raw-text prompts
     next_call: int = 0  # call indices are taken when a call's record is made: no gaps for failed calls
     ended: bool = False
-    last_active: float = field(default_factory=time.monotonic)  # its latest call (or its creation)
+    last_active: float = field(default_factory=time.monotonic)  # its latest call's start or end (or its creation)
+    calls_in_flight: int = 0  # a session with a call running is never idle, however long the call takes
     responses: dict[str, list] = field(default_factory=dict)  # Responses API: response id -> its conversation
     replay: Replay | None = None  # a fork on its way to its branch point (gateway/forks.py)
     # the runner's sampling for every call of this session (POST /sessions `sampling`), over the request's own
@@ -157,10 +158,20 @@ class SessionStore:
         self._live.pop(session.info.session_id, None)
         self._forget_tokens(session)
 
+    def hold(self, session: Session) -> None:
+        """A call of this session has started: it is not idle until `release`."""
+        session.calls_in_flight += 1
+
+    def release(self, session: Session) -> None:
+        """A call of this session has ended (answered or failed): its idle time counts from now."""
+        session.calls_in_flight -= 1
+        session.last_active = time.monotonic()
+
     def idle(self, seconds: float) -> list[Session]:
-        """Open sessions without a call for more than `seconds` (the reaper ends them as abandoned)."""
+        """Open sessions without a call running or for more than `seconds` (the reaper ends them as abandoned)."""
         cutoff = time.monotonic() - seconds
-        return [s for s in self._by_id.values() if not s.ended and s.last_active < cutoff]
+        return [s for s in self._by_id.values()
+                if not s.ended and not s.calls_in_flight and s.last_active < cutoff]
 
     def open_ids(self) -> list[str]:
         """Ids of this gateway's sessions not ended (live, whatever their age)."""

@@ -59,6 +59,8 @@ R = TypeVar("R")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # the durability futures of the calls recorded by the request being handled (set by the app's route)
 UNSYNCED: contextvars.ContextVar[list[Future[None]]] = contextvars.ContextVar("unsynced")
+# the sessions whose calls the request being handled is making (set by the app's route; the reaper skips them)
+CALLING: contextvars.ContextVar[list[Session] | None] = contextvars.ContextVar("calling", default=None)
 _LONG_NUMBER = re.compile(rb"\d{19}")  # every integer outside the 64-bit range has at least 19 digits
 
 
@@ -144,12 +146,15 @@ def model_route(core: Core, handler: Handler) -> Callable[[web.Request], Awaitab
     """A model API's route: a non-stream answer leaves only once its calls are durable."""
 
     async def route(request: web.Request) -> web.StreamResponse:
-        token = UNSYNCED.set([])
+        token, calling = UNSYNCED.set([]), CALLING.set([])
         try:
             response = await handler(core, request)
             await core.durable()
             return response
         finally:
+            for session in CALLING.get() or []:
+                core.sessions.release(session)
+            CALLING.reset(calling)
             UNSYNCED.reset(token)
 
     return route
@@ -199,6 +204,9 @@ class Core:
         if session.ended:
             raise ApiError(409, f"session {session.info.session_id} has ended", code="session_ended")
         self.sessions.touch(session)
+        if (calling := CALLING.get()) is not None:  # a model call: not idle until its route returns
+            self.sessions.hold(session)
+            calling.append(session)
         return session
 
     async def read_body(self, request: web.Request) -> bytes:

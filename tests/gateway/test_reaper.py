@@ -83,3 +83,21 @@ async def test_a_running_gateway_abandons_orphans_left_after_its_start_but_not_i
                 await asyncio.sleep(0.2)
             assert served.pool.get_session("late-orphan").status == "abandoned"
             assert served.pool.get_session(s["session_id"]).status == "open"
+
+
+async def test_a_call_slower_than_the_timeout_is_not_reaped_while_it_runs(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    # A call queued behind a busy engine or held through a weight update can outlast the idle timeout: its
+    # session is calling, not idle, so the answer comes back and is recorded; idleness counts from its end.
+    engine = fake_engine(tokenizer(qwen3_model_dir), [], latency=2.5)
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path, session_idle_timeout=1.0) as served:
+        s = await served.session()
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {s['api_key']}"}) as c:
+            slow = await c.post(f"{s['openai_base_url']}/chat/completions", json=CHAT)  # 2.5 timeouts long
+            assert slow.status_code == 200
+            assert served.pool.get_session(s["session_id"]).status == "open"
+            for _ in range(200):  # the reaper sweeps every 0.25 s here; a bound, not a measurement
+                if served.pool.get_session(s["session_id"]).status != "open":
+                    break
+                await asyncio.sleep(0.05)
+            assert served.pool.get_session(s["session_id"]).status == "abandoned"  # idle after its call ended
+        assert len(served.calls(s["session_id"])) == 1
