@@ -219,6 +219,20 @@ def engine_dtype(svc: ServicesSection) -> str:
     return "bfloat16" if fast_bf16(torch.device("cpu")) else "float32"
 
 
+def slow_cpu_note(cfg: JobConfig) -> str | None:
+    """A word before a time-bounded job starts on a CPU without bf16 units: float32 SFT and evaluation then take
+    most of the bound (README: Measured numbers > The main job)."""
+    import torch
+
+    from trainer.precision import fast_bf16
+
+    if cfg.job_minutes is None or torch.cuda.is_available() or fast_bf16(torch.device("cpu")):
+        return None
+    return (f"this CPU has no bf16 units (AVX512-BF16 or AMX): the trainer and the engine run float32, at about a "
+            f"quarter of an AMX CPU's speed (the quickstart's SFT: 9.7 min against 2.0), so the warm start and the "
+            f"evaluations take most of job_minutes = {cfg.job_minutes:g} and RL fits few updates")
+
+
 def engine_spec(svc: ServicesSection, policy: Path, port: int | str, host: str | None = None) -> EngineSpec:
     """The built-in engine the job starts on its policy ([services] table)."""
     return EngineSpec(policy, port, host, svc.context_length, engine_dtype(svc), svc.prefix_cache_mb,
@@ -344,8 +358,9 @@ def run_command(job: Path, overrides: tuple[str, ...], dashboard_port: int | Non
 
     try:
         cfg = load_job(job, _overrides(overrides))
-        for note in unused_by_run(cfg, on_ray):
-            click.echo(f"note: {note}", err=True)
+        for note in [*unused_by_run(cfg, on_ray), slow_cpu_note(cfg)]:
+            if note:
+                click.echo(f"note: {note}", err=True)
         with dashboard_beside([str(cfg.run_dir)], dashboard_port, cfg.run_dir / "logs"):
             summary = run_ray_job(cfg, ray_address) if on_ray else run_job(cfg)
     except JobError as exc:

@@ -116,6 +116,26 @@ def test_the_job_time_bound_leaves_room_for_the_last_evaluation(tmp_path: Path) 
     assert 0 < rl_seconds_left(load_job(job), run) < 0.01
 
 
+def test_a_bounded_job_on_a_cpu_without_bf16_units_says_what_to_expect(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import trainer.precision
+    from stepline.run import slow_cpu_note
+
+    job = tmp_path / "job.toml"
+    job.write_text("job_minutes = 28\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(trainer.precision, "fast_bf16", lambda device: False)  # an AVX2-only CPU
+    note = slow_cpu_note(load_job(job))
+    assert note is not None and "no bf16 units" in note and "job_minutes = 28" in note
+    job.write_text("rl_updates = 3\n")  # no time bound: slower, but nothing is cut short
+    assert slow_cpu_note(load_job(job)) is None
+    job.write_text("job_minutes = 28\n")
+    monkeypatch.setattr(trainer.precision, "fast_bf16", lambda device: True)  # AVX512-BF16 or AMX
+    assert slow_cpu_note(load_job(job)) is None
+
+
 def test_run_names_the_tables_it_does_not_read(tmp_path: Path) -> None:
     """[pool] belongs to `train`/`replay` and [cluster] to `run --ray`: `stepline run` says so instead of
     silently ignoring them; a file without them gets no note."""
