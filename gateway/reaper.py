@@ -10,6 +10,8 @@ and an open member keeps its whole group from being claimed. So:
   end as `abandoned` (through the recorder, after their queued calls; a later call gets 409), and so do
   the pool's open sessions that are not this gateway's and were created more than the timeout ago: the
   orphans of a gateway killed after this one started, or too recently for the sweep at start.
+  A session with a call running is never idle: a call held long (a weight update that does not end, a client
+  that stops reading its stream) keeps its session, and so its group, open until the call ends.
 
 An abandoned session with a terminal reward still trains with its group; one without is left out.
 """
@@ -28,17 +30,20 @@ log = logging.getLogger(__name__)
 async def reap_once(core: Core) -> int:
     """One sweep of this gateway's sessions; returns how many it ended."""
     timeout = core.settings.session_idle_timeout
-    idle = core.sessions.idle(timeout)
-    for session in idle:
+    ended = 0
+    for session in core.sessions.idle(timeout):
+        if not core.sessions.is_idle(session, timeout):  # it called, or was ended, during an earlier one's await
+            continue
         core.sessions.end(session)
+        ended += 1
         try:
             await core.recorder.end_session(session.info.session_id, "abandoned")
         except PoolError as exc:  # e.g. it was ended meanwhile by another route: logged, the sweep goes on
             log.warning("abandoning %s: %s", session.info.session_id, exc)
         core.router.forget(session.info.session_id)
-    if idle:
-        log.info("abandoned %d sessions idle for more than %g s", len(idle), timeout)
-    return len(idle)
+    if ended:
+        log.info("abandoned %d sessions idle for more than %g s", ended, timeout)
+    return ended
 
 
 async def abandon_orphans(core: Core) -> None:

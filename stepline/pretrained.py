@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import cast
 from unittest.mock import patch
 
-__all__ = ["build_smollm2", "cached_build"]
+__all__ = ["build_smollm2", "cached_build", "prune_builds"]
 
 BUILD_VERSION = 1  # of the directory _dequantise writes: bump it when that changes, and caches rebuild
 
@@ -42,21 +42,36 @@ def cached_build() -> Path:
     built = cache_dir() / _build_name()
     if not (built / "config.json").is_file():
         built.parent.mkdir(parents=True, exist_ok=True)
-        for stale in built.parent.glob("smollm2-hf-*"):  # other versions' builds: 540 MB each
-            shutil.rmtree(stale, ignore_errors=True)
         with tempfile.TemporaryDirectory(dir=built.parent) as tmp:
             _dequantise(Path(tmp) / "model")
-            shutil.rmtree(built, ignore_errors=True)  # a concurrent build that finished first: ours replaces it
-            (Path(tmp) / "model").rename(built)  # whole or absent: config.json marks a finished build
+            shutil.rmtree(built, ignore_errors=True)  # a build interrupted before it finished
+            try:
+                (Path(tmp) / "model").rename(built)  # whole or absent: config.json marks a finished build
+            except OSError:
+                if not (built / "config.json").is_file():
+                    raise  # else a concurrent build finished first: the same bytes, which others may be copying
     return built
+
+
+def prune_builds() -> list[Path]:
+    """Remove the cached builds of other library versions (540 MB each); setup runs it, never a job (another
+    environment on the same cache may be using its own build)."""
+    from stepline.assets import cache_dir
+
+    stale = [p for p in cache_dir().glob("smollm2-hf-*") if p.name != _build_name()]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def _build_name() -> str:
     """The cache's folder name: the build's version and those of the libraries that write its files (config.json
-    records transformers' version, and the dequantised weights are theirs), so an upgrade rebuilds."""
+    records transformers' version, tokenizers writes the tokenizer's files, gguf dequantises), so an upgrade
+    rebuilds."""
     from importlib.metadata import version
 
-    return f"smollm2-hf-v{BUILD_VERSION}-transformers{version('transformers')}-gguf{version('gguf')}"
+    libraries = "-".join(f"{name}{version(name)}" for name in ("transformers", "tokenizers", "gguf"))
+    return f"smollm2-hf-v{BUILD_VERSION}-{libraries}"
 
 
 def _dequantise(out: Path) -> Path:
@@ -92,3 +107,5 @@ def _dequantise(out: Path) -> Path:
 
 if __name__ == "__main__":
     print(cached_build())
+    for path in prune_builds():
+        print(f"removed {path} (built under other library versions)")

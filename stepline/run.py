@@ -220,16 +220,16 @@ def engine_dtype(svc: ServicesSection) -> str:
 
 
 def slow_cpu_note(cfg: JobConfig) -> str | None:
-    """A word before a time-bounded job starts on a CPU without bf16 units: float32 SFT and evaluation then take
-    most of the bound (README: Measured numbers > The main job)."""
+    """A word before a time-bounded job starts on a CPU without bf16 units: SFT and evaluation then take most of
+    the bound (README: Measured numbers > The main job)."""
     import torch
 
     from trainer.precision import fast_bf16
 
     if cfg.job_minutes is None or torch.cuda.is_available() or fast_bf16(torch.device("cpu")):
         return None
-    return (f"this CPU has no bf16 units (AVX512-BF16 or AMX): the trainer and the engine run float32, at about a "
-            f"quarter of an AMX CPU's speed (the quickstart's SFT: 9.7 min against 2.0), so the warm start and the "
+    return (f"this CPU has no bf16 units (AVX512-BF16 or AMX): float32 runs at about a fifth of an AMX CPU's speed "
+            f"(the quickstart's SFT: 9.7 min against 2.0) and bf16 slower still, so the warm start and the "
             f"evaluations take most of job_minutes = {cfg.job_minutes:g} and RL fits few updates")
 
 
@@ -358,7 +358,7 @@ def run_command(job: Path, overrides: tuple[str, ...], dashboard_port: int | Non
 
     try:
         cfg = load_job(job, _overrides(overrides))
-        for note in [*unused_by_run(cfg, on_ray), slow_cpu_note(cfg)]:
+        for note in [*unused_by_run(cfg, on_ray), None if on_ray else slow_cpu_note(cfg)]:  # --ray: not this CPU
             if note:
                 click.echo(f"note: {note}", err=True)
         with dashboard_beside([str(cfg.run_dir)], dashboard_port, cfg.run_dir / "logs"):

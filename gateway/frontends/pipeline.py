@@ -146,7 +146,7 @@ def model_route(core: Core, handler: Handler) -> Callable[[web.Request], Awaitab
     """A model API's route: a non-stream answer leaves only once its calls are durable."""
 
     async def route(request: web.Request) -> web.StreamResponse:
-        token, calling = UNSYNCED.set([]), CALLING.set([])
+        unsynced_token, calling_token = UNSYNCED.set([]), CALLING.set([])
         try:
             response = await handler(core, request)
             await core.durable()
@@ -154,8 +154,8 @@ def model_route(core: Core, handler: Handler) -> Callable[[web.Request], Awaitab
         finally:
             for session in CALLING.get() or []:
                 core.sessions.release(session)
-            CALLING.reset(calling)
-            UNSYNCED.reset(token)
+            CALLING.reset(calling_token)
+            UNSYNCED.reset(unsynced_token)
 
     return route
 
