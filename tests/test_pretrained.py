@@ -50,6 +50,7 @@ def test_smollm2_template_shows_tools_and_renders_tool_calls(smollm2_model_dir: 
     assert [(c.name, json.loads(c.arguments)) for c in calls.tool_calls] == [("search", {"query": "Kagone"})]
 
 
+@pytest.mark.slow  # ~50 s on 2 cores (a whole dequantisation); .ci/run runs it after the suite
 def test_same_wheel_same_bytes(smollm2_model_dir: Path, tmp_path: Path) -> None:
     from stepline.pretrained import build_smollm2
 
