@@ -30,20 +30,18 @@ log = logging.getLogger(__name__)
 async def reap_once(core: Core) -> int:
     """One sweep of this gateway's sessions; returns how many it ended."""
     timeout = core.settings.session_idle_timeout
-    ended = 0
-    for session in core.sessions.idle(timeout):
-        if not core.sessions.is_idle(session, timeout):  # it called, or was ended, during an earlier one's await
-            continue
+    idle = core.sessions.idle(timeout)
+    for session in idle:  # all ended before the first await: a call arriving meanwhile gets 409, not half a record
         core.sessions.end(session)
-        ended += 1
+    for session in idle:
         try:
             await core.recorder.end_session(session.info.session_id, "abandoned")
         except PoolError as exc:  # e.g. it was ended meanwhile by another route: logged, the sweep goes on
             log.warning("abandoning %s: %s", session.info.session_id, exc)
         core.router.forget(session.info.session_id)
-    if ended:
-        log.info("abandoned %d sessions idle for more than %g s", ended, timeout)
-    return ended
+    if idle:
+        log.info("abandoned %d sessions idle for more than %g s", len(idle), timeout)
+    return len(idle)
 
 
 async def abandon_orphans(core: Core) -> None:

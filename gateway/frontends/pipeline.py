@@ -146,13 +146,14 @@ def model_route(core: Core, handler: Handler) -> Callable[[web.Request], Awaitab
     """A model API's route: a non-stream answer leaves only once its calls are durable."""
 
     async def route(request: web.Request) -> web.StreamResponse:
-        unsynced_token, calling_token = UNSYNCED.set([]), CALLING.set([])
+        calling: list[Session] = []
+        unsynced_token, calling_token = UNSYNCED.set([]), CALLING.set(calling)
         try:
             response = await handler(core, request)
             await core.durable()
             return response
         finally:
-            for session in CALLING.get() or []:
+            for session in calling:
                 core.sessions.release(session)
             CALLING.reset(calling_token)
             UNSYNCED.reset(unsynced_token)
