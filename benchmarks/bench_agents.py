@@ -4,9 +4,9 @@ Search and UI: index build, one search, in-process expert episodes per second, o
 (`--expert`, start to exit), and episode size in tokens of the `tiny` model's chat template (what one
 rollout costs the policy).
 
-All three harnesses through the rollout driver (rollout/driver.py): episodes per second and CPU
+All three harnesses through the rollout driver (stepline/rollout/driver.py): episodes per second and CPU
 seconds per episode of one `run` + one `verify` process per episode against the long-lived worker
-(`persistent = true`, agents/common/serve.py), for model episodes over the real SDK whose "model" is
+(`persistent = true`, stepline/agents/common/serve.py), for model episodes over the real SDK whose "model" is
 a ScriptedServer replaying the expert's answers; the session endpoints are an in-process stand-in,
 so the driver's CPU column is the driver plus that scripted model.
 
@@ -31,18 +31,18 @@ from typing import Any
 
 import click
 
-from agents.common.scripted_server import Reply, ScriptedServer
-from agents.search import harness as search
-from agents.search.index import Index
-from agents.search.tasks import split_ids as search_ids
-from agents.search.world import passages
-from agents.terminal.tasks import get_task
-from agents.terminal.tasks import task_ids as terminal_ids
-from agents.ui import harness as ui
-from agents.ui.tasks import split_ids as ui_ids
-from rollout.client import SessionHandle
-from rollout.config import HarnessSpec, RolloutConfig
-from rollout.driver import RolloutDriver
+from stepline.agents.common.scripted_server import Reply, ScriptedServer
+from stepline.agents.search import harness as search
+from stepline.agents.search.index import Index
+from stepline.agents.search.tasks import split_ids as search_ids
+from stepline.agents.search.world import passages
+from stepline.agents.terminal.tasks import get_task
+from stepline.agents.terminal.tasks import task_ids as terminal_ids
+from stepline.agents.ui import harness as ui
+from stepline.agents.ui.tasks import split_ids as ui_ids
+from stepline.rollout.client import SessionHandle
+from stepline.rollout.config import HarnessSpec, RolloutConfig
+from stepline.rollout.driver import RolloutDriver
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESSES = {"search": (search.play, search_ids), "ui": (ui.play, ui_ids)}
@@ -70,7 +70,7 @@ def episodes_per_s(name: str) -> float:
 def process_ms(name: str, n: int = 3) -> float:
     task_id = HARNESSES[name][1]("test")[0]
     with tempfile.TemporaryDirectory() as tmp:
-        argv = [sys.executable, "-m", f"agents.{name}.run", "--task", task_id, "--out", tmp, "--expert"]
+        argv = [sys.executable, "-m", f"stepline.agents.{name}.run", "--task", task_id, "--out", tmp, "--expert"]
         return ms(lambda: subprocess.run(argv, cwd=ROOT, check=True), n)
 
 
@@ -169,7 +169,7 @@ async def drive(harness: str, persistent: bool, episodes: int, work: Path) -> Dr
     episode (which starts the worker: its start-up is reported apart)."""
     tasks = SPLITS[harness]("test")[:episodes]
     with ScriptedServer(replay(expert_script(harness, tasks))) as model:
-        spec = HarnessSpec(name=harness, module=f"agents.{harness}", tasks=tasks, persistent=persistent)
+        spec = HarnessSpec(name=harness, module=f"stepline.agents.{harness}", tasks=tasks, persistent=persistent)
         config = RolloutConfig(harnesses=[spec], group_size=1, max_concurrency=CONCURRENCY)
         async with RolloutDriver(config, Sessions(model.url), work) as driver:  # type: ignore[arg-type]
             await driver.run_episode(spec, tasks[0], None)
@@ -187,7 +187,7 @@ async def drive(harness: str, persistent: bool, episodes: int, work: Path) -> Dr
 
 def worker_start_s(harness: str) -> float:
     """CPU seconds of one worker from start to its ready line (interpreter, imports, warm-up)."""
-    proc = subprocess.Popen([sys.executable, "-m", f"agents.{harness}.serve"], cwd=ROOT, stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", f"stepline.agents.{harness}.serve"], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdin is not None
     proc.stdout.readline()

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from datapool import open_pool
-from datapool.records import CallRecord, SessionInfo
+from stepline.datapool import open_pool
+from stepline.datapool.records import CallRecord, SessionInfo
 
 OBS, ACT, VOCAB = 250, 250, 150_000
 

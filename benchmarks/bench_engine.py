@@ -13,7 +13,7 @@ temperature 1, ignore_eos, `--tokens` new tokens each, a 32-token prompt); token
 requests / time until the last one finished, side by side with the ratio to concurrency 1. Target:
 the 8-client figure is at least 4x the 1-client one (continuous batching, not serialisation).
 `--engine URL --engine-kind K` also measures a running engine (vLLM, SGLang) on the same model, the
-same way, both through the gateway's own adapters (`gateway.engines.make_engine`, a 32-token id prompt
+same way, both through the gateway's own adapters (`stepline.gateway.engines.make_engine`, a 32-token id prompt
 each), and prints the two side by side: when to switch.
 
 Episodes (`--episodes`): `--concurrent` search-agent-shaped episodes at once, each `--turns` turns:
@@ -119,7 +119,7 @@ async def measure(url: str, concurrency: int, seconds: float, tokens: int, vocab
 
 
 async def adapter_client(engine, worker: int, deadline: float, tokens: int, vocab: int) -> int:
-    from gateway.engines import SamplingParams
+    from stepline.gateway.engines import SamplingParams
 
     generated, r = 0, 0
     while time.perf_counter() < deadline:
@@ -133,7 +133,7 @@ async def adapter_client(engine, worker: int, deadline: float, tokens: int, voca
 async def measure_adapter(url: str, kind: str, concurrency: int, seconds: float, tokens: int, vocab: int) -> float:
     import aiohttp
 
-    from gateway.engines import make_engine
+    from stepline.gateway.engines import make_engine
 
     async with aiohttp.ClientSession() as http:
         engine = make_engine(url, kind, http, timeout=600)

@@ -146,7 +146,7 @@ class Bench:
 
 def recorded_calls(pool_url: str, session_id: str) -> list:
     """The session's calls as recorded: the exact prompt ids the engine received, and the timings."""
-    from datapool import open_pool
+    from stepline.datapool import open_pool
 
     pool = open_pool(pool_url, read_only=True)
     try:
@@ -227,7 +227,7 @@ async def cpu_by_turn(bench: Bench, gateway_pid: int, sessions: int, turns: int)
 def start_services(model_dir: Path, pool_url: str) -> tuple[subprocess.Popen, subprocess.Popen, str, str]:
     engine_port, gateway_port = free_port(), free_port()
     engine_args = ["--port", str(engine_port), "--tokens", str(OUT_TOKENS), "--eos", str(EOS)]
-    engine = subprocess.Popen([sys.executable, "-m", "gateway.testing", *engine_args], stdout=subprocess.DEVNULL)
+    engine = subprocess.Popen([sys.executable, "-m", "stepline.gateway.testing", *engine_args], stdout=subprocess.DEVNULL)
     engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
     gateway_args = ["--engine", engine_url, "--engine-kind", "sglang", "--model", str(model_dir), "--pool", pool_url,
                     "--port", str(gateway_port), "--admin-token", "bench", "--context-length", "32768"]

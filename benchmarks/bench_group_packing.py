@@ -1,5 +1,5 @@
 """Group packing benchmark: a training step over a run's real RL groups, the sessions of each group packed as one
-trie (their common prompt forwarded once, trainer.tree_forward) against each session packed on its own (what the
+trie (their common prompt forwarded once, stepline.trainer.tree_forward) against each session packed on its own (what the
 trainer did before), on the run's own SFT model.
 
     .venv/bin/python benchmarks/bench_group_packing.py runs/quickstart            # 12 groups, best of 3
@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import trainer  # noqa: F401  (before torch: it sets OpenMP's wait policy, trainer/__init__.py)
-from datapool import open_pool
-from datapool.records import EpisodeData
-from trainer.trainable import freeze_below_top
-from trainer.tree_forward import forest_forward, pack_forest
+import stepline.trainer  # noqa: F401  (before torch: it sets OpenMP's wait policy, stepline/trainer/__init__.py)
+from stepline.datapool import open_pool
+from stepline.datapool.records import EpisodeData
+from stepline.trainer.trainable import freeze_below_top
+from stepline.trainer.tree_forward import forest_forward, pack_forest
 
 
 def rl_groups(run: Path, count: int) -> list[list[EpisodeData]]:

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from datapool import open_pool
-from trainer.weight_sync import saved_weights
+from stepline.datapool import open_pool
+from stepline.trainer.weight_sync import saved_weights
 
 
 def toml_table(name: str, table: dict) -> str:

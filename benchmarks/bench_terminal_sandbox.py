@@ -1,5 +1,5 @@
 """Per-command cost of the terminal sandbox: namespace mode (unshare + chroot) with and without the per-episode
-quota tmpfs (agents/terminal/quota.py) vs plain (rlimits only), and expert episodes per second on the test split
+quota tmpfs (stepline/agents/terminal/quota.py) vs plain (rlimits only), and expert episodes per second on the test split
 (setup + one command + check, in-process).
 
     .venv/bin/python benchmarks/bench_terminal_sandbox.py
@@ -12,9 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from agents.terminal.episode import expert_episode
-from agents.terminal.sandbox import Limits, Sandbox, detect_mode
-from agents.terminal.tasks import check, get_task, task_ids
+from stepline.agents.terminal.episode import expert_episode
+from stepline.agents.terminal.sandbox import Limits, Sandbox, detect_mode
+from stepline.agents.terminal.tasks import check, get_task, task_ids
 
 
 def per_command_ms(mode: str, quota: bool, n: int = 40) -> float:

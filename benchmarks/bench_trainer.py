@@ -21,7 +21,7 @@ Tree mode: each session is a chain of turns (prompt, then per turn: sampled acti
 through the pool's own radix tree and steps view. A *training step* is forward + backward of the action
 tokens' logprobs for all sessions:
 
-- tree:  each session's tree once, tree attention mask, one padded row per tree (trainer.tree_forward; these
+- tree:  each session's tree once, tree attention mask, one padded row per tree (stepline.trainer.tree_forward; these
          sessions share no prefix, so a row each: benchmarks/bench_group_packing.py measures groups that do);
 - naive: every step's full sequence (state + action) as its own row, right-padded, `rows` per forward
          (sorted by length, so padding is small) — how a trainer that treats each turn as one completion
@@ -48,11 +48,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import trainer  # noqa: F401  (before torch: it sets OpenMP's wait policy, trainer/__init__.py)
-from datapool.records import Reward, SessionInfo
-from datapool.steps import build_episode
-from datapool.tree import RadixTree
-from trainer.tree_forward import forest_forward, pack_forest
+import stepline.trainer  # noqa: F401  (before torch: it sets OpenMP's wait policy, stepline/trainer/__init__.py)
+from stepline.datapool.records import Reward, SessionInfo
+from stepline.datapool.steps import build_episode
+from stepline.datapool.tree import RadixTree
+from stepline.trainer.tree_forward import forest_forward, pack_forest
 
 
 def make_sessions(n: int, turns: int, prompt: int, action: int, obs: int, vocab: int, seed: int,
@@ -180,11 +180,11 @@ def readme_tokens(model_dir: Path) -> np.ndarray:
 
 def measure_sft(args) -> dict:
     """Every variant's short SFT on the same rows, the variants taking their optimizer steps in turn."""
-    from datapool.records import Group
-    from trainer.batch import build_batch
-    from trainer.config import TrainerConfig
-    from trainer.loop import build_policy, objective
-    from trainer.update import update
+    from stepline.datapool.records import Group
+    from stepline.trainer.batch import build_batch
+    from stepline.trainer.config import TrainerConfig
+    from stepline.trainer.loop import build_policy, objective
+    from stepline.trainer.update import update
 
     episodes = make_sessions(args.sessions, args.turns, args.prompt, args.action, args.obs, 0, args.seed,
                              text=readme_tokens(args.model))
@@ -215,7 +215,7 @@ def measure_push(full: torch.nn.Module, lora: torch.nn.Module, model_dir: Path) 
     """Seconds to save the full model and a LoRA model (merged), and to reload each as the engine does."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.weight_sync import save_weights
+    from stepline.trainer.weight_sync import save_weights
 
     times = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,7 +9,7 @@ in its own run directory (OUT/<algorithm>), with the same seed and the same budg
 job's groups per update, each group the same number of episodes (the job's RL time bound does not apply; `--minutes`
 sets one for every algorithm). A directory OUT/shared that already holds a run's model-base, sft and model-sft
 (a finished `stepline run` of the same job and seed) is reused as it is. Tree-GRPO spends its group on trees: G/2 root
-episodes, each forked once at a random step boundary (the fork replays the steps before it, gateway/forks.py).
+episodes, each forked once at a random step boundary (the fork replays the steps before it, stepline/gateway/forks.py).
 
 Writes OUT/compare.png (training reward per rollout batch: the mean reward of every training episode, kept or
 skipped by dynamic sampling, as the main job's progress.png draws it) and OUT/compare.json (those curves and the
@@ -27,9 +27,9 @@ from typing import Any
 
 import click
 
-from stepline.job import JobConfig, load_job
+from stepline.launch.job import JobConfig, load_job
+from stepline.launch.run import RunDir, build_base_model, services, train_rl, trainer_configs, warm_start
 from stepline.report import batch_rewards
-from stepline.run import RunDir, build_base_model, services, train_rl, trainer_configs, warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("grpo", "gigpo", "tree_grpo", "sapo")

@@ -14,13 +14,13 @@ import click
 COMMANDS: dict[str, str] = {
     "make-model": "stepline.models:make_model_command",
     "engine": "stepline.engine.cli:engine_command",
-    "gateway": "gateway.cli:gateway_command",
-    "up": "stepline.up:up_command",
-    "pool": "datapool.cli:pool_group",
-    "train": "stepline.commands:train_command",
-    "replay": "stepline.commands:replay_command",
-    "eval": "stepline.commands:eval_command",
-    "run": "stepline.run:run_command",
+    "gateway": "stepline.gateway.cli:gateway_command",
+    "up": "stepline.launch.up:up_command",
+    "pool": "stepline.datapool.cli:pool_group",
+    "train": "stepline.launch.commands:train_command",
+    "replay": "stepline.launch.commands:replay_command",
+    "eval": "stepline.launch.commands:eval_command",
+    "run": "stepline.launch.run:run_command",
     "dashboard": "stepline.dashboard.cli:dashboard_command",
 }
 
@@ -66,7 +66,7 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="stepline")
 def main() -> None:
     """Stepline: train existing LLM agents with step-level RL."""
-    from stepline.lifeline import die_with_parent
+    from stepline.launch.lifeline import die_with_parent
 
     die_with_parent()  # only in services started by `stepline up` / `stepline run`
 

@@ -1,7 +1,7 @@
 """docs/architecture.md, Layout: dependencies point one way.
 
 agents → (HTTP) → gateway → datapool ← trainer; rollout reaches the gateway over HTTP and the pool
-through its interface, and needs no torch; nothing imports stepline (the composition root).
+through its interface, and needs no torch; nothing imports the launchers (stepline.launch, the composition root).
 
 Parses every module's imports (ast, nothing executed) and checks the forbidden edges; one test also
 imports the whole rollout package in a fresh interpreter and checks that torch never loads.
@@ -18,57 +18,82 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("stepline", "gateway", "datapool", "trainer", "rollout", "agents", "deploy", "httpretry")
+PACKAGE = ROOT / "stepline"
+PARTS = ("gateway", "datapool", "trainer", "rollout", "agents", "engine", "dashboard", "launch")
 THIRD_PARTY = ("torch", "transformers", "peft", "accelerate")  # the heavy training stack
+SERVICES = {"gateway", "datapool", "trainer", "rollout", "engine", "dashboard"}
 
-# package -> packages it must never import (the composition root, stepline, is imported by nobody)
+# part -> parts (and heavy libraries) it must never import; the launchers (launch, cli) are imported by nobody
 FORBIDDEN: dict[str, set[str]] = {
-    "gateway": {"trainer", "rollout", "agents", "stepline"},
-    "trainer": {"gateway", "rollout", "agents", "stepline"},
-    "datapool": {"gateway", "trainer", "rollout", "agents", "stepline"},
-    "rollout": {"gateway", "trainer", "agents", "stepline", *THIRD_PARTY},  # HTTP + the pool only, no torch
-    "agents": {"gateway", "datapool", "trainer", "rollout", "stepline"},  # harnesses are black boxes
-    "deploy": {"agents", "stepline"},
-    "stepline": {"agents"},  # agents run as separate processes, never imported
-    "httpretry": {"stepline", "gateway", "datapool", "trainer", "rollout", "agents", "deploy"},  # used by all
+    "gateway": {"trainer", "rollout", "agents", "engine", "dashboard", "launch", "cli"},
+    "trainer": {"gateway", "rollout", "agents", "engine", "dashboard", "launch", "cli"},
+    "datapool": {"gateway", "trainer", "rollout", "agents", "engine", "dashboard", "launch", "cli"},
+    "rollout": {"gateway", "trainer", "agents", "engine", "dashboard", "launch", "cli", *THIRD_PARTY},
+    "agents": {*SERVICES, "launch", "cli", "models", "pretrained", "assets", "report", "_retry"},  # black boxes
+    "engine": {"gateway", "datapool", "trainer", "rollout", "agents", "dashboard", "launch", "cli"},
+    "dashboard": {"gateway", "rollout", "agents", "engine"},
+    "launch": {"agents"},  # harnesses run as separate processes, never imported
+    "_retry": {*SERVICES, "agents", "launch", "cli"},  # used by all
 }
 
 
-def imported_packages(path: Path) -> set[str]:
+def part_of(path: Path) -> str:
+    """The part a module belongs to: stepline/<part>/... or the module stepline/<name>.py itself."""
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imported_parts(path: Path) -> set[str]:
+    """Parts of stepline and heavy libraries a module imports (lazy imports inside functions included)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            for alias in node.names:
+                top, _, rest = alias.name.partition(".")
+                names.add(rest.split(".")[0] if top == "stepline" and rest else top)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names & {*PACKAGES, *THIRD_PARTY}
+            top, _, rest = node.module.partition(".")
+            if top != "stepline":
+                names.add(top)
+            elif rest:
+                names.add(rest.split(".")[0])
+            else:
+                names.update(alias.name for alias in node.names)
+    return names
 
 
 def modules() -> list[tuple[str, Path]]:
-    return [(pkg, path) for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py"))]
+    return [(part_of(path), path) for path in sorted(PACKAGE.rglob("*.py"))]
 
 
 def test_there_are_modules_to_check() -> None:
-    assert {pkg for pkg, _ in modules()} == set(PACKAGES)
+    assert set(PARTS) <= {part for part, _ in modules()}
 
 
-@pytest.mark.parametrize("package,path", modules(), ids=lambda v: str(v).replace(str(ROOT) + "/", ""))
-def test_import_direction(package: str, path: Path) -> None:
-    bad = imported_packages(path) & FORBIDDEN[package]
-    assert not bad, f"{path.relative_to(ROOT)} ({package}) imports {sorted(bad)}, against docs/architecture.md"
+def test_one_import_root() -> None:
+    """Only stepline/ holds Python packages: nothing at the top level that would shadow another distribution
+    (the OpenAI Agents SDK installs `agents`; PyPI has `trainer` and `datapool` too)."""
+    top = [p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").is_file()]
+    assert top == ["stepline"]
+
+
+@pytest.mark.parametrize("part,path", modules(), ids=lambda v: str(v).replace(str(ROOT) + "/", ""))
+def test_import_direction(part: str, path: Path) -> None:
+    bad = imported_parts(path) & FORBIDDEN.get(part, set())
+    assert not bad, f"{path.relative_to(ROOT)} ({part}) imports {sorted(bad)}, against docs/architecture.md"
 
 
 def test_the_rollout_package_loads_without_torch() -> None:
     """Transitively too: every rollout module imported in a fresh interpreter leaves torch unloaded."""
-    names = [f"rollout.{p.stem}" for p in sorted((ROOT / "rollout").glob("*.py")) if p.stem != "__init__"]
+    names = [f"stepline.rollout.{p.stem}" for p in sorted((PACKAGE / "rollout").glob("*.py")) if p.stem != "__init__"]
     code = f"import importlib, sys\nfor m in {names!r}: importlib.import_module(m)\nprint(sorted(sys.modules))"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
-    loaded = {name.split(".")[0] for name in ast.literal_eval(out.stdout)}
-    assert len(names) >= 7 and "rollout" in loaded
-    assert not loaded & {*THIRD_PARTY, "gateway", "trainer", "stepline"}
-
+    loaded = set(ast.literal_eval(out.stdout))
+    assert len(names) >= 7 and "stepline.rollout" in loaded
+    assert not {name.split(".")[0] for name in loaded} & set(THIRD_PARTY)
+    assert not {name for name in loaded if name.split(".")[:2] in (["stepline", "gateway"], ["stepline", "trainer"])}
 
 
 def test_no_file_names_a_path_outside_the_repository() -> None:
@@ -79,6 +104,6 @@ def test_no_file_names_a_path_outside_the_repository() -> None:
     files = [path for path in files if path.is_file() and path != Path(__file__).resolve()]
     if not files:  # not a git checkout (an sdist): the package files at least
         files = [path for _, path in modules()]
-    assert len(files) > len(PACKAGES)
+    assert len(files) > len(PARTS)
     bad = [f"{path.relative_to(ROOT)}: {word}" for path in files for word in outside if word in path.read_text()]
     assert not bad, bad

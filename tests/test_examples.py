@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from stepline.job import JobError, load_job
+from stepline.launch.job import JobError, load_job
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.toml"))
 
@@ -39,22 +39,22 @@ def test_an_unknown_field_is_refused(tmp_path: Path) -> None:
 
 def test_demonstrations_per_harness_name_known_harnesses(tmp_path: Path) -> None:
     job = tmp_path / "demos.toml"
-    job.write_text('[sft]\ndemos = {uii = 32}\n[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "agents.ui"\n')
+    job.write_text('[sft]\ndemos = {uii = 32}\n[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\n')
     with pytest.raises(JobError, match="sft.demos: no harness named 'uii'"):
         load_job(job)
-    job.write_text('[sft]\ndemos = {ui = -1}\n[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "agents.ui"\n')
+    job.write_text('[sft]\ndemos = {ui = -1}\n[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\n')
     with pytest.raises(JobError, match="sft.demos.ui"):
         load_job(job)
 
 
 def test_the_trainer_waits_for_the_smallest_group_of_the_mix(tmp_path: Path) -> None:
-    from stepline.run import smallest_group
+    from stepline.launch.run import smallest_group
 
     job = tmp_path / "mix.toml"
-    job.write_text('[rollout]\ngroup_size = 4\n[[rollout.harnesses]]\nname = "ui"\nmodule = "agents.ui"\ngroup_size = 8\n'
-                   '[[rollout.harnesses]]\nname = "search"\nmodule = "agents.search"\n')
+    job.write_text('[rollout]\ngroup_size = 4\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\ngroup_size = 8\n'
+                   '[[rollout.harnesses]]\nname = "search"\nmodule = "stepline.agents.search"\n')
     assert smallest_group(load_job(job).rollout) == 4
-    job.write_text('[rollout]\ngroup_size = 4\n[[rollout.harnesses]]\nname = "ui"\nmodule = "agents.ui"\ngroup_size = 8\n')
+    job.write_text('[rollout]\ngroup_size = 4\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\ngroup_size = 8\n')
     assert smallest_group(load_job(job).rollout) == 8
 
 

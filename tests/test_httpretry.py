@@ -1,4 +1,4 @@
-"""The one retry policy of the HTTP clients (httpretry): transport errors only, bounded, never an answer."""
+"""The one retry policy of the HTTP clients (stepline._retry): transport errors only, bounded, never an answer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from httpretry import RetryPolicy, Unavailable, is_transport_error
+from stepline._retry import RetryPolicy, Unavailable, is_transport_error
 
 
 def _client(answer: list) -> tuple[httpx.Client, list[int]]:

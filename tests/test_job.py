@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from stepline.cli import main
-from stepline.job import JobError, load_job, unused_by_run
+from stepline.launch.job import JobError, load_job, unused_by_run
 
 
 def test_a_bad_trainer_field_is_named_at_load(tmp_path: Path) -> None:
@@ -81,7 +81,7 @@ def test_the_rl_time_bound_counts_what_earlier_runs_spent(tmp_path: Path, tiny_m
     """`rl_minutes` bounds the RL phase over resumes: the trainer gets what phases.json has not used up."""
     import json
 
-    from stepline.run import RunDir, trainer_configs
+    from stepline.launch.run import RunDir, trainer_configs
 
     job = tmp_path / "job.toml"
     job.write_text("rl_minutes = 2\n")
@@ -101,7 +101,7 @@ def test_the_job_time_bound_leaves_room_for_the_last_evaluation(tmp_path: Path) 
     (half as long again as the one before); with `rl_minutes` too, the tighter bound wins."""
     import json
 
-    from stepline.run import RunDir, rl_seconds_left
+    from stepline.launch.run import RunDir, rl_seconds_left
 
     job, run = tmp_path / "job.toml", RunDir(tmp_path / "run")
     run.root.mkdir()
@@ -120,19 +120,19 @@ def test_a_bounded_job_on_a_cpu_without_bf16_units_says_what_to_expect(tmp_path:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    import trainer.precision
-    from stepline.run import slow_cpu_note
+    import stepline.trainer.precision
+    from stepline.launch.run import slow_cpu_note
 
     job = tmp_path / "job.toml"
     job.write_text("job_minutes = 28\n")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(trainer.precision, "fast_bf16", lambda device: False)  # an AVX2-only CPU
+    monkeypatch.setattr(stepline.trainer.precision, "fast_bf16", lambda device: False)  # an AVX2-only CPU
     note = slow_cpu_note(load_job(job))
     assert note is not None and "no bf16 units" in note and "job_minutes = 28" in note
     job.write_text("rl_updates = 3\n")  # no time bound: slower, but nothing is cut short
     assert slow_cpu_note(load_job(job)) is None
     job.write_text("job_minutes = 28\n")
-    monkeypatch.setattr(trainer.precision, "fast_bf16", lambda device: True)  # AVX512-BF16 or AMX
+    monkeypatch.setattr(stepline.trainer.precision, "fast_bf16", lambda device: True)  # AVX512-BF16 or AMX
     assert slow_cpu_note(load_job(job)) is None
 
 

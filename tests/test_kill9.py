@@ -1,6 +1,6 @@
 """Kill -9 under a steady stream of calls (issue 12, finding 5): acknowledged records lost = 0.
 
-Real processes on loopback: the fake engine (gateway.testing), the pool service and the gateway, or
+Real processes on loopback: the fake engine (stepline.gateway.testing), the pool service and the gateway, or
 `stepline up --serve-pool` in front of the fake engine. Harness threads keep calling; every answer
 they got (status 200) names a call id, and after the crash and a restart on the same files each of
 those ids must be in the pool. Before the spill file, the report lost 4 of 4 (pool down, then the
@@ -10,7 +10,7 @@ its queue).
 The slow tests (`pytest -m slow tests/test_kill9.py`) add the rest of issue 12's bar, one per process
 killed: no session stays open (orphans end as abandoned) and the trainer's side then gets every completed
 group exactly once. Gateway and pool service are killed under a running `stepline train` (which must ride
-out the pool's outage, trainer/claims.py); the whole `up --serve-pool` stack is killed at once and the
+out the pool's outage, stepline/trainer/claims.py); the whole `up --serve-pool` stack is killed at once and the
 claim API is asked after the next `up`."""
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import orjson
 import pytest
 import zstandard
 
-from datapool import open_pool
-from stepline.services import GatewaySpec, PoolSpec, free_port, port_of
-from trainer.checkpoint import latest_checkpoint
+from stepline.datapool import open_pool
+from stepline.launch.services import GatewaySpec, PoolSpec, free_port, port_of
+from stepline.trainer.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("STEPLINE_POO
 
 
 def spawn(argv: list[str], log: Path) -> subprocess.Popen:
-    """`argv` (a spec's, stepline/services.py) killable with -9: no lifeline, so it lives on when we go."""
+    """`argv` (a spec's, stepline/launch/services.py) killable with -9: no lifeline, so it lives on when we go."""
     with log.open("ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=ENV)
 
@@ -120,7 +120,7 @@ def wait_recorded(db: Path, acked: set[str], timeout: float = 20.0) -> set[str]:
 def fake_engine(tmp_path: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{free_port()}"
     log = tmp_path / "engine.log"
-    proc = spawn([sys.executable, "-m", "gateway.testing", "--port", port_of(url), "--tokens", "4"], log)
+    proc = spawn([sys.executable, "-m", "stepline.gateway.testing", "--port", port_of(url), "--tokens", "4"], log)
     try:
         healthy(url, proc, log)
         yield url
@@ -137,7 +137,7 @@ def pool_service(db: Path, pool_url: str, tmp_path: Path) -> subprocess.Popen:
 
 
 def test_kill9_gateway_and_pool_service_lose_no_acknowledged_call(tiny_model_dir: Path, tmp_path: Path) -> None:
-    db, spill = tmp_path / "pool.db", tmp_path / "gateway.spill"
+    db, spill = tmp_path / "pool.db", tmp_path / "stepline.gateway.spill"
     pool_url = f"http://127.0.0.1:{free_port()}"
 
     def gateway(engine: str) -> tuple[str, subprocess.Popen]:
@@ -208,7 +208,7 @@ def test_kill9_up_serve_pool_loses_no_acknowledged_call(tiny_model_dir: Path, tm
         children = _children(proc.pid)
         stream = Stream(url)
         time.sleep(2.0)
-        proc.kill()  # every child gets SIGTERM at once (stepline.lifeline); the pool service may go first
+        proc.kill()  # every child gets SIGTERM at once (stepline.launch.lifeline); the pool service may go first
         proc.wait()
         for pid in children:
             _wait_gone(pid, 40)
@@ -275,8 +275,8 @@ def test_kill9_gateway_mid_job_orphans_are_abandoned_and_every_group_trains_once
     """Finding 4 end to end: a trainer runs while the gateway is killed with sessions open. Those sessions would
     block their groups forever; the next gateway (session_idle_timeout 2 s) ends them as abandoned at start, and
     the trainer, which never stopped, trains every group exactly once: abandoned members with a terminal reward
-    in it, those without left out (datapool/sql.py, the ready rule)."""
-    db, spill = tmp_path / "pool.db", tmp_path / "gateway.spill"
+    in it, those without left out (stepline/datapool/sql.py, the ready rule)."""
+    db, spill = tmp_path / "pool.db", tmp_path / "stepline.gateway.spill"
 
     def gateway(engine: str, idle_timeout: float | None = None) -> tuple[str, subprocess.Popen]:
         url = f"http://127.0.0.1:{free_port()}"
@@ -378,7 +378,7 @@ def test_kill9_pool_service_mid_job_loses_nothing_and_every_group_trains_once(
     answers from its spill file meanwhile, rewards and ends wait; after a restart on the same file every
     acknowledged call is in the pool, every session ended, and the trainer, never restarted, trains each of
     the 4 groups exactly once."""
-    db, spill = tmp_path / "pool.db", tmp_path / "gateway.spill"
+    db, spill = tmp_path / "pool.db", tmp_path / "stepline.gateway.spill"
     pool_url = f"http://127.0.0.1:{free_port()}"
 
     procs: list[subprocess.Popen] = []

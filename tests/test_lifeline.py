@@ -14,7 +14,7 @@ import pytest
 PARENT = """
 import sys, time
 from pathlib import Path
-from stepline.services import PoolSpec, free_port, start, wait_healthy
+from stepline.launch.services import PoolSpec, free_port, start, wait_healthy
 port = free_port()
 child = start("pool", PoolSpec(sys.argv[1], port).to_argv(), Path(sys.argv[2]))
 wait_healthy(child, f"http://127.0.0.1:{port}", 60)
@@ -50,7 +50,7 @@ def test_service_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
 
 
 def test_a_bound_process_runs_on_and_does_not_pass_the_binding_on() -> None:
-    code = ("import os; from stepline.lifeline import PARENT_PID_ENV, die_with_parent; die_with_parent(); "
+    code = ("import os; from stepline.launch.lifeline import PARENT_PID_ENV, die_with_parent; die_with_parent(); "
             "print(os.environ.get(PARENT_PID_ENV))")
     for env in ({}, {"STEPLINE_PARENT_PID": str(os.getpid())}):  # by hand, and started by a live parent
         run = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
@@ -60,8 +60,8 @@ def test_a_bound_process_runs_on_and_does_not_pass_the_binding_on() -> None:
 EXEC_PARENT = """
 import sys, time
 from pathlib import Path
-from stepline.services import start
-child = start("sleeper", [sys.executable, "-m", "stepline.lifeline", "/bin/sleep", "600"], Path(sys.argv[1]))
+from stepline.launch.services import start
+child = start("sleeper", [sys.executable, "-m", "stepline.launch.lifeline", "/bin/sleep", "600"], Path(sys.argv[1]))
 print(child.proc.pid, flush=True)
 time.sleep(600)
 """

@@ -6,10 +6,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from stepline.job import ServicesSection
-from stepline.run import engine_spec
-from trainer.config import TrainerConfig
-from trainer.precision import fast_bf16, resolve_bf16
+from stepline.launch.job import ServicesSection
+from stepline.launch.run import engine_spec
+from stepline.trainer.config import TrainerConfig
+from stepline.trainer.precision import fast_bf16, resolve_bf16
 
 
 @pytest.fixture(params=[True, False], ids=["bf16-units", "avx2-only"])

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.parsers import parse_text
 from stepline.assets import AssetUnavailable, cache_dir, smollm2_gguf
+from stepline.gateway.parsers import parse_text
 
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the documents for a name.",
           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]

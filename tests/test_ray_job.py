@@ -77,7 +77,7 @@ def kill_mid_job(address: str, namespace: str, pool_url: str, job: subprocess.Po
 
 
 def worker_zero_is_playing(pool_url: str) -> bool:
-    from datapool import open_pool
+    from stepline.datapool import open_pool
 
     try:
         pool = open_pool(pool_url, read_only=True)
@@ -97,8 +97,8 @@ def test_job_on_two_node_ray_cluster(tmp_path: Path, pg_schema_url: str) -> None
     pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    from datapool import open_pool
-    from trainer.checkpoint import latest_checkpoint
+    from stepline.datapool import open_pool
+    from stepline.trainer.checkpoint import latest_checkpoint
 
     namespace = f"stepline-test-{uuid.uuid4().hex[:8]}"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})

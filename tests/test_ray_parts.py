@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from stepline.job import ClusterSection, JobError, load_job
-from stepline.ray_parts import fill
-from trainer.weight_sync import FanOutWeightSync, RecordingWeightSync, WeightSyncError
+from stepline.launch.job import ClusterSection, JobError, load_job
+from stepline.launch.ray_parts import fill
+from stepline.trainer.weight_sync import FanOutWeightSync, RecordingWeightSync, WeightSyncError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,7 @@ def test_fan_out_pushes_to_every_gateway_in_order_and_stops_at_a_failure() -> No
 
 
 def test_no_module_imports_ray_until_a_ray_job_starts() -> None:
-    code = "import sys, stepline.cli, stepline.run, stepline.ray_run, stepline.ray_parts; print('ray' in sys.modules)"
+    code = "import sys, stepline.cli, stepline.launch.run, stepline.launch.ray_run, stepline.launch.ray_parts; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -64,7 +64,7 @@ def test_no_module_imports_ray_until_a_ray_job_starts() -> None:
 def test_ray_address_needs_ray_flag(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from stepline.run import run_command
+    from stepline.launch.run import run_command
 
     job = tmp_path / "job.toml"
     job.write_text("")

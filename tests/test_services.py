@@ -1,4 +1,4 @@
-"""stepline/services.py: each service's spec spells its command line once, for `up`, `run` and the Ray parts."""
+"""stepline/launch/services.py: each service's spec spells its command line once, for `up`, `run` and the Ray parts."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from stepline.cli import main
-from stepline.job import JobConfig
-from stepline.services import EngineSpec, GatewaySpec, PoolSpec, Services, stepline_argv
+from stepline.launch.job import JobConfig
+from stepline.launch.services import EngineSpec, GatewaySpec, PoolSpec, Services, stepline_argv
 
 STEPLINE = [sys.executable, "-m", "stepline.cli"]
 
@@ -50,7 +50,7 @@ def test_the_commands_accept_what_the_specs_write(tmp_path: Path) -> None:
 
 
 def test_the_job_engine_is_the_services_table() -> None:
-    from stepline.run import engine_spec
+    from stepline.launch.run import engine_spec
 
     svc = JobConfig.model_validate({"services": {"context_length": 256, "engine_threads": 3,
                                                  "prefix_cache_mb": 0}}).services

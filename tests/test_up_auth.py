@@ -57,14 +57,14 @@ def _child_of(pid: int, parent: int) -> bool:
 
 def test_run_hands_the_gateway_its_admin_token_through_the_environment(monkeypatch, tmp_path: Path) -> None:
     """`stepline run` put `--admin-token` in its gateway's argv, readable by anyone through `ps`."""
-    import stepline.services
-    from stepline.job import JobConfig
-    from stepline.run import RunDir, services
+    import stepline.launch.services
+    from stepline.launch.job import JobConfig
+    from stepline.launch.run import RunDir, services
 
     started: list[tuple[list[str], dict[str, str]]] = []
-    monkeypatch.setattr(stepline.services, "start", lambda name, args, logs, env=None: started.append((args, env or {})))
-    monkeypatch.setattr(stepline.services, "wait_healthy", lambda *a: None)
-    monkeypatch.setattr(stepline.services, "stop_all", lambda children: None)
+    monkeypatch.setattr(stepline.launch.services, "start", lambda name, args, logs, env=None: started.append((args, env or {})))
+    monkeypatch.setattr(stepline.launch.services, "wait_healthy", lambda *a: None)
+    monkeypatch.setattr(stepline.launch.services, "stop_all", lambda children: None)
     cfg = JobConfig.model_validate({"services": {"engine_url": "http://127.0.0.1:1", "engine_kind": "sglang"}})
     with services(cfg, RunDir(tmp_path), tmp_path, "secret-admin-token"):
         pass

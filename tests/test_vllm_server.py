@@ -2,7 +2,7 @@
 job starts — its command line, its environment, and the gateway driving it with the vLLM adapter.
 
 Without vLLM installed: a stand-in "vLLM python" writes down its argv and environment and then serves
-`gateway.testing.FakeEngine` in vLLM's wire format on the port it was given. The real vLLM runs in
+`stepline.gateway.testing.FakeEngine` in vLLM's wire format on the port it was given. The real vLLM runs in
 tests/engines/test_vllm_job.py.
 """
 
@@ -17,15 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stepline.job import JobError, load_job
-from stepline.run import RunDir, services
+from stepline.launch.job import JobError, load_job
+from stepline.launch.run import RunDir, services
 
 FAKE_VLLM = """#!/bin/sh
 # argv: -m vllm.entrypoints.openai.api_server --model DIR --host H --port P ...
 printf '%s\\n' "$@" > "$(dirname "$0")/argv"
 env > "$(dirname "$0")/env"
 while [ "$1" != "--port" ]; do shift; done
-exec {python} -m gateway.testing --api vllm --port "$2"
+exec {python} -m stepline.gateway.testing --api vllm --port "$2"
 """
 
 
@@ -89,4 +89,4 @@ def test_the_job_starts_vllm_with_what_the_gateway_needs_and_drives_it(tmp_path:
     env = dict(line.split("=", 1) for line in (fake.parent / "env").read_text().splitlines() if "=" in line)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OMP_NUM_THREADS"] == "1"
     assert env["VLLM_API_KEY"] == os.environ["STEPLINE_ENGINE_TOKEN"]  # the token the gateway sends
-    assert "STEPLINE_PARENT_PID" not in env  # consumed by stepline.lifeline before it became vLLM
+    assert "STEPLINE_PARENT_PID" not in env  # consumed by stepline.launch.lifeline before it became vLLM

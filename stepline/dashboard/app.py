@@ -32,14 +32,14 @@ from typing import Any, TypeVar, cast, get_args
 from aiohttp import web
 from pydantic import ValidationError
 
-from datapool import open_pool
-from datapool.base import UnknownSession
-from datapool.records import LeafRule
 from stepline.dashboard.episode import Decoder, episode_view, load_decoder
 from stepline.dashboard.groups import MAX_GROUP, GroupQuery, group_rows, group_view, select_groups, trainer_config
 from stepline.dashboard.runfiles import RunFiles
 from stepline.dashboard.runview import run_view
 from stepline.dashboard.sessions import POOL_DOWN, SessionIndex, SessionQuery, facets, select
+from stepline.datapool import open_pool
+from stepline.datapool.base import UnknownSession
+from stepline.datapool.records import LeafRule
 
 __all__ = ["DashboardConfig", "make_app"]
 

@@ -79,7 +79,7 @@ def dashboard_beside(target: list[str], port: int | None, logs: Path, env: dict[
     if port is None:
         yield None
         return
-    from stepline.services import free_port, port_of, start, stepline_argv, stop_all, wait_healthy
+    from stepline.launch.services import free_port, port_of, start, stepline_argv, stop_all, wait_healthy
 
     logs.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port or free_port()}"

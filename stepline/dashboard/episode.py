@@ -1,6 +1,6 @@
 """One session as the episode view draws it: its radix tree of steps, decoded, with which leaves train.
 
-Built from the pool's own `EpisodeData` and `datapool.steps` (the leaf rules `stepline pool show` uses),
+Built from the pool's own `EpisodeData` and `stepline.datapool.steps` (the leaf rules `stepline pool show` uses),
 so ids, logprobs and versions are the pool's, token for token. Decoding uses the policy's
 `tokenizer.json` (the `tokenizers` library: no model, no torch); without one, tokens show as ids.
 
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from datapool.records import EpisodeData, LeafRule, Node
-from datapool.steps import children_map, main_leaf, select_leaves, superseded_leaves
+from stepline.datapool.records import EpisodeData, LeafRule, Node
+from stepline.datapool.steps import children_map, main_leaf, select_leaves, superseded_leaves
 
 __all__ = ["Decoder", "episode_view", "load_decoder"]
 

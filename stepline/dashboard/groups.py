@@ -4,8 +4,8 @@ their rewards and the advantages the trainer would compute for them under the jo
     group_rows(rows)                  one summary row per group key of the episodes table (pure)
     group_view(key, episodes, cfg)    the group as the trainer would claim it, with per-step advantages
 
-The advantages come from the trainer's own code, not a copy of it: `trainer.batch.build_batch` with the
-trainer's shaping and episode filter (`trainer.batch`), then the job's estimator from `ADVANTAGES` with its
+The advantages come from the trainer's own code, not a copy of it: `stepline.trainer.batch.build_batch` with the
+trainer's shaping and episode filter (`stepline.trainer.batch`), then the job's estimator from `ADVANTAGES` with its
 `advantage_args`, on the episodes the pool would hand out (ended, with a terminal reward). Estimators that
 need the policy or the critic (gae and capo read the critic's values, igpo the policy's belief in the gold
 answer) are named but not computed: that takes the model, which the dashboard never loads. torch is imported
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from datapool.records import EpisodeData, Group
 from stepline.dashboard.sessions import SessionRow
+from stepline.datapool.records import EpisodeData, Group
 
 if TYPE_CHECKING:
-    from trainer.config import TrainerConfig
+    from stepline.trainer.config import TrainerConfig
 
 __all__ = ["GroupQuery", "GroupRow", "group_rows", "group_view", "select_groups", "trainer_config"]
 
@@ -109,7 +109,7 @@ def select_groups(groups: list[GroupRow], query: GroupQuery) -> dict[str, Any]:
 def trainer_config(job_trainer: dict[str, Any]) -> tuple[TrainerConfig, str | None]:
     """The job's RL trainer settings (job.json's [trainer] table over the defaults), and why they could
     not be read (then the defaults are used), if so."""
-    from trainer.config import TrainerConfig
+    from stepline.trainer.config import TrainerConfig
 
     try:
         return TrainerConfig.model_validate(job_trainer), None
@@ -118,7 +118,7 @@ def trainer_config(job_trainer: dict[str, Any]) -> tuple[TrainerConfig, str | No
 
 
 def _left_out(ep: EpisodeData) -> str | None:
-    """Why the pool would not hand this session to the trainer (datapool.sql claim_groups), if it would not."""
+    """Why the pool would not hand this session to the trainer (stepline.datapool.sql claim_groups), if it would not."""
     if ep.info.status == "open":
         return "still open: the group is not ready"
     if not any(r.step is None for r in ep.rewards):
@@ -128,7 +128,7 @@ def _left_out(ep: EpisodeData) -> str | None:
 
 def _estimate(batch: Any, cfg: TrainerConfig) -> tuple[list[float] | None, str | None]:
     """Per-step advantages [S] of the batch under the job's estimator, or why they are not computed here."""
-    from trainer.algorithms import ADVANTAGES
+    from stepline.trainer.algorithms import ADVANTAGES
 
     if cfg.advantage in MODEL_ESTIMATORS:
         return None, f"{cfg.advantage} needs {MODEL_ESTIMATORS[cfg.advantage]}: computed only inside the trainer"
@@ -142,7 +142,7 @@ def _estimate(batch: Any, cfg: TrainerConfig) -> tuple[list[float] | None, str |
 def group_view(key: str, episodes: list[EpisodeData], cfg: TrainerConfig) -> dict[str, Any]:
     """The group `key` (its sessions' episodes, oldest first) as JSON: per episode its reward, the outcome
     the trainer uses (with overlong shaping), and per training trajectory the advantage of each step."""
-    from trainer.batch import build_batch, episode_filter, group_filter, shaping
+    from stepline.trainer.batch import build_batch, episode_filter, group_filter, shaping
 
     ready = [ep for ep in episodes if _left_out(ep) is None]
     group = Group(key, key, ready, min((n.weight_version for ep in ready for n in ep.tree.nodes if n.kind == "act"),

@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datapool.base import Pool, PoolError
-from datapool.records import EpisodeData, SessionInfo
+from stepline.datapool.base import Pool, PoolError
+from stepline.datapool.records import EpisodeData, SessionInfo
 
 __all__ = ["SessionIndex", "SessionQuery", "SessionRow", "select", "summarise"]
 

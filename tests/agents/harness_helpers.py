@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agents.common import Verdict
-from agents.common.loop import RawCall, Turn
-from agents.common.scripted_server import Reply
+from stepline.agents.common import Verdict
+from stepline.agents.common.loop import RawCall, Turn
+from stepline.agents.common.scripted_server import Reply
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def cli(module: str, *args: str, env: dict[str, str] | None = None, timeout: flo
 
 
 def verdict(harness: str, task_id: str, out: Path) -> Verdict:
-    done = cli(f"agents.{harness}.verify", "--task", task_id, "--out", str(out))
+    done = cli(f"stepline.agents.{harness}.verify", "--task", task_id, "--out", str(out))
     assert done.returncode == 0, done.stderr
     return Verdict.model_validate_json(done.stdout)
 

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from agents.search.harness import play as search_play
-from agents.ui.harness import play as ui_play
-from gateway.testing import FakeEngine, Scripted, recording_gateway
-from rollout.client import GatewayClient
-from rollout.config import HarnessSpec, RolloutConfig
-from rollout.driver import RolloutDriver
+from stepline.agents.search.harness import play as search_play
+from stepline.agents.ui.harness import play as ui_play
+from stepline.gateway.testing import FakeEngine, Scripted, recording_gateway
+from stepline.rollout.client import GatewayClient
+from stepline.rollout.config import HarnessSpec, RolloutConfig
+from stepline.rollout.driver import RolloutDriver
 
 END = "<|im_end|>"
 EXPERTS = {"search": ("search-0004", search_play), "ui": ("ui-0003", ui_play)}
@@ -50,7 +50,7 @@ async def test_expert_played_by_the_engine_through_the_gateway_scores_one(harnes
     end = tok.token_to_id(END)
     script = [Scripted(tok.encode(t, add_special_tokens=False).ids + [end], text=t) for t in texts]
     engine = FakeEngine(script, eos_id=end, decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
-    spec = HarnessSpec(name=harness, module=f"agents.{harness}", tasks=[task_id])
+    spec = HarnessSpec(name=harness, module=f"stepline.agents.{harness}", tasks=[task_id])
     async with engine as engine_url, gateway(tiny_model_dir, engine_url, tmp_path, "sglang") as (url, pool):
         async with GatewayClient(url, "adm") as client:
             driver = RolloutDriver(RolloutConfig(harnesses=[spec], group_size=1), client, tmp_path / "w")
@@ -65,7 +65,7 @@ async def test_expert_played_by_the_engine_through_the_gateway_scores_one(harnes
 async def test_tiny_model_episodes_of_both_harnesses_land_in_the_pool(tiny_model_dir: Path, tmp_path: Path) -> None:
     from stepline.engine.testing import running_engine
 
-    specs = [HarnessSpec(name=h, module=f"agents.{h}", tasks=[EXPERTS[h][0]], max_turns=2) for h in sorted(EXPERTS)]
+    specs = [HarnessSpec(name=h, module=f"stepline.agents.{h}", tasks=[EXPERTS[h][0]], max_turns=2) for h in sorted(EXPERTS)]
     config = RolloutConfig(harnesses=specs, group_size=1, episode_timeout_s=120)
     with running_engine(tiny_model_dir) as engine_url:
         async with gateway(tiny_model_dir, engine_url, tmp_path, "builtin") as (url, pool):

@@ -1,4 +1,4 @@
-"""agents/common: scoring, tool dispatch, the episode file and the verifier edge cases."""
+"""stepline/agents/common: scoring, tool dispatch, the episode file and the verifier edge cases."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.common import (
+from stepline.agents.common import (
     Episode,
     EpisodeError,
     Tool,
@@ -21,7 +21,7 @@ from agents.common import (
     verdict_for,
     write_episode,
 )
-from agents.common.loop import OpenAIPolicy, RawCall, Turn, run_episode
+from stepline.agents.common.loop import OpenAIPolicy, RawCall, Turn, run_episode
 
 
 def test_normalisation_drops_case_punctuation_and_articles() -> None:

@@ -1,7 +1,7 @@
 """Per-episode disk and inode quotas of the terminal sandbox (issue 12, finding 13: 320 MiB written in 0.9 s,
 20,000 files, a setuid binary left behind).
 
-The quota is a tmpfs in a mount namespace held by a child of the harness (agents/terminal/quota.py). The
+The quota is a tmpfs in a mount namespace held by a child of the harness (stepline/agents/terminal/quota.py). The
 first version mounted it in the host namespace and every sandbox not closed leaked its mount; so these
 tests also look at every process's mount table, after a normal exit and after kill -9.
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from agents.terminal import sandbox as sandbox_module
-from agents.terminal.quota import SOURCE
-from agents.terminal.sandbox import Limits, QuotaUnavailable, Sandbox, detect_mode, episode_limits
+from stepline.agents.terminal import sandbox as sandbox_module
+from stepline.agents.terminal.quota import SOURCE
+from stepline.agents.terminal.sandbox import Limits, QuotaUnavailable, Sandbox, detect_mode, episode_limits
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_namespace = pytest.mark.skipif(detect_mode() != "namespace", reason="quotas need namespace mode")
@@ -113,7 +113,7 @@ def open_dir() -> Iterator[Path]:
 
 
 HARNESS = (
-    "import sys; from pathlib import Path; from agents.terminal.sandbox import Sandbox, Limits\n"
+    "import sys; from pathlib import Path; from stepline.agents.terminal.sandbox import Sandbox, Limits\n"
     "box = Sandbox(Path(sys.argv[1]), Limits(wall_s=1000)); box.prepare()\n"
     "print(box.run('echo hi > a; cat a').output, end='', flush=True)\n"
     "if sys.argv[2] == 'sleep': box.run('sleep 1000')\n"  # killed here with -9

@@ -8,20 +8,20 @@ from pathlib import Path
 
 from harness_helpers import cli, endpoint, random_policy, server_policy, verdict
 
-from agents.common import Episode, read_episode, run_episode
-from agents.common.scripted_server import RawReply, ScriptedServer
-from agents.search.harness import MAX_TURNS, SYSTEM, TOOLS, expert_policy, play, search
-from agents.search.index import index
-from agents.search.tasks import split_ids
-from agents.search.verify import score
-from agents.search.world import N_CITIES, task_by_id, tasks
+from stepline.agents.common import Episode, read_episode, run_episode
+from stepline.agents.common.scripted_server import RawReply, ScriptedServer
+from stepline.agents.search.harness import MAX_TURNS, SYSTEM, TOOLS, expert_policy, play, search
+from stepline.agents.search.index import index
+from stepline.agents.search.tasks import split_ids
+from stepline.agents.search.verify import score
+from stepline.agents.search.world import N_CITIES, task_by_id, tasks
 
 
 def test_split_is_fixed_disjoint_and_by_entity() -> None:
     train, test = split_ids("train"), split_ids("test")
     assert (len(train), len(test)) == (400, 100) and not set(train) & set(test)
     assert test[:3] == ["search-0004", "search-0009", "search-0014"]
-    done = cli("agents.search.tasks", "--split", "test")
+    done = cli("stepline.agents.search.tasks", "--split", "test")
     assert done.returncode == 0 and json.loads(done.stdout) == test
     names = lambda split: {n for t in tasks() if t.split == split for n in (t.work, t.maker.name, t.spouse.name)}  # noqa: E731
     assert not names("train") & names("test")  # test questions are about entities no train task mentions
@@ -76,16 +76,16 @@ def test_scoring_is_f1_with_em_success_and_never_trusts_claims() -> None:
 
 
 def test_expert_cli_then_verify(tmp_path: Path) -> None:
-    done = cli("agents.search.run", "--task", "search-0009", "--out", str(tmp_path), "--expert")
+    done = cli("stepline.agents.search.run", "--task", "search-0009", "--out", str(tmp_path), "--expert")
     assert done.returncode == 0, done.stderr
     assert verdict("search", "search-0009", tmp_path).success
-    assert cli("agents.search.run", "--task", "nope", "--out", str(tmp_path)).returncode == 2
+    assert cli("stepline.agents.search.run", "--task", "nope", "--out", str(tmp_path)).returncode == 2
 
 
 def test_model_episode_through_the_openai_sdk(tmp_path: Path) -> None:
     task = task_by_id()["search-0014"]
     with ScriptedServer(server_policy(expert_policy(task))) as server:
-        done = cli("agents.search.run", "--task", task.id, "--out", str(tmp_path), env=endpoint(server.openai_base_url))
+        done = cli("stepline.agents.search.run", "--task", task.id, "--out", str(tmp_path), env=endpoint(server.openai_base_url))
     assert done.returncode == 0, done.stderr
     assert verdict("search", task.id, tmp_path).success
     first, last = server.requests[0], server.requests[-1]
@@ -95,9 +95,9 @@ def test_model_episode_through_the_openai_sdk(tmp_path: Path) -> None:
 
 
 def test_down_or_garbage_endpoint_fails_the_episode_with_a_reason(tmp_path: Path) -> None:
-    down = cli("agents.search.run", "--task", "search-0004", "--out", str(tmp_path / "down"), env=endpoint("http://127.0.0.1:9/v1"))
+    down = cli("stepline.agents.search.run", "--task", "search-0004", "--out", str(tmp_path / "down"), env=endpoint("http://127.0.0.1:9/v1"))
     assert down.returncode == 1 and "APIConnectionError" in read_episode(tmp_path / "down").error
     with ScriptedServer(lambda body: RawReply(200, b"<html>garbage", "text/html")) as server:
-        garbage = cli("agents.search.run", "--task", "search-0004", "--out", str(tmp_path / "g"), env=endpoint(server.openai_base_url))
+        garbage = cli("stepline.agents.search.run", "--task", "search-0004", "--out", str(tmp_path / "g"), env=endpoint(server.openai_base_url))
     assert garbage.returncode == 1 and read_episode(tmp_path / "g").finish == "error"
     assert verdict("search", "search-0004", tmp_path / "g").reason.startswith("episode broke: malformed chat completion")

@@ -1,4 +1,4 @@
-"""The long-lived harness worker (`python -m agents.<name>.serve`, agents/common/serve.py) as a black
+"""The long-lived harness worker (`python -m stepline.agents.<name>.serve`, stepline/agents/common/serve.py) as a black
 box on its pipes: the same episode.json and verdict as `run` + `verify`, bad requests and broken
 endpoints answered as failures, and a clean exit at the end of stdin."""
 
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from harness_helpers import ROOT, cli, endpoint, verdict
 
-from agents.common import read_episode
+from stepline.agents.common import read_episode
 
 EXPERT_TASKS = {"search": "search-0004", "ui": "ui-0003", "terminal": "count-fox-1"}
 
@@ -22,7 +22,7 @@ class Worker:
     """A worker process and a blocking JSON-lines client for it."""
 
     def __init__(self, harness: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", f"agents.{harness}.serve"], cwd=ROOT, text=True,
+        self.proc = subprocess.Popen([sys.executable, "-m", f"stepline.agents.{harness}.serve"], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.ready = self.read()
 
@@ -52,7 +52,7 @@ def request(ident: str, task_id: str, out: Path, **kw: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("harness", sorted(EXPERT_TASKS))
 def test_expert_episode_matches_run_and_verify(harness: str, tmp_path: Path) -> None:
     task_id = EXPERT_TASKS[harness]
-    done = cli(f"agents.{harness}.run", "--task", task_id, "--out", str(tmp_path / "cli"), "--expert")
+    done = cli(f"stepline.agents.{harness}.run", "--task", task_id, "--out", str(tmp_path / "cli"), "--expert")
     assert done.returncode == 0, done.stderr
     worker = Worker(harness)
     assert worker.ready["ready"] is True and worker.ready["harness"] == harness
@@ -78,7 +78,7 @@ def test_bad_requests_and_a_dead_endpoint_are_failures_and_the_worker_goes_on(tm
     assert answers[None]["reason"].startswith("bad request") and answers["x"]["reason"].startswith("bad request")
     assert (answers["unknown"]["outcome"], answers["unknown"]["reason"]) == ("failed", "unknown task 'search-9999'")
     # What `run` prints as its last stderr line for the same broken endpoint.
-    done = cli("agents.search.run", "--task", "search-0004", "--out", str(tmp_path / "cli"),
+    done = cli("stepline.agents.search.run", "--task", "search-0004", "--out", str(tmp_path / "cli"),
                env=endpoint("http://127.0.0.1:9/v1"))
     assert done.returncode == 1
     assert answers["down"]["reason"] == done.stderr.strip().splitlines()[-1]

@@ -10,11 +10,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from agents.common import read_episode
-from agents.common.scripted_server import RawReply, Reply, ScriptedServer
-from agents.terminal.episode import expert_episode, new_episode, open_sandbox
-from agents.terminal.tasks import NAMES, TEST_EVERY, get_task, task_ids
-from agents.terminal.verify import score
+from stepline.agents.common import read_episode
+from stepline.agents.common.scripted_server import RawReply, Reply, ScriptedServer
+from stepline.agents.terminal.episode import expert_episode, new_episode, open_sandbox
+from stepline.agents.terminal.tasks import NAMES, TEST_EVERY, get_task, task_ids
+from stepline.agents.terminal.verify import score
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ def test_split_is_fixed_and_by_entity() -> None:
     names = lambda ids: {get_task(i).name for i in ids}  # noqa: E731
     assert names(train).isdisjoint(names(test))
     assert names(test) == {NAMES[i] for i in range(TEST_EVERY - 1, len(NAMES), TEST_EVERY)}
-    assert json.loads(_cli("agents.terminal.tasks", "--split", "test").stdout) == test
+    assert json.loads(_cli("stepline.agents.terminal.tasks", "--split", "test").stdout) == test
 
 
 def test_tasks_are_deterministic_and_short() -> None:
@@ -88,14 +88,14 @@ def test_checks_read_only_regular_files_inside_the_sandbox(tmp_path: Path) -> No
 
 
 def test_expert_and_verify_cli(tmp_path: Path) -> None:
-    run = _cli("agents.terminal.run", "--task", "sort-cow-1", "--out", str(tmp_path), "--expert")
+    run = _cli("stepline.agents.terminal.run", "--task", "sort-cow-1", "--out", str(tmp_path), "--expert")
     assert run.returncode == 0, run.stderr
     episode = read_episode(tmp_path)
     assert [m["role"] for m in episode.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert episode.calls[0].arguments == {"command": "sort cow.txt > sorted.txt"}
-    verdict = json.loads(_cli("agents.terminal.verify", "--task", "sort-cow-1", "--out", str(tmp_path)).stdout)
+    verdict = json.loads(_cli("stepline.agents.terminal.verify", "--task", "sort-cow-1", "--out", str(tmp_path)).stdout)
     assert verdict == {"reward": 1.0, "success": True, "reason": "ok"}
-    assert _cli("agents.terminal.run", "--task", "nope", "--out", str(tmp_path)).returncode == 2
+    assert _cli("stepline.agents.terminal.run", "--task", "nope", "--out", str(tmp_path)).returncode == 2
 
 
 def test_model_episode_through_the_anthropic_sdk(tmp_path: Path) -> None:
@@ -104,7 +104,7 @@ def test_model_episode_through_the_anthropic_sdk(tmp_path: Path) -> None:
     replies = iter([Reply(None, [("bash", {"command": f"echo {word} > fox.txt"})]), Reply("done")])
     with ScriptedServer(lambda body: next(replies)) as server:
         env = {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "k"}
-        run = _cli("agents.terminal.run", "--task", "write-fox-0", "--out", str(tmp_path), env=env)
+        run = _cli("stepline.agents.terminal.run", "--task", "write-fox-0", "--out", str(tmp_path), env=env)
         requests = server.requests
     assert run.returncode == 0, run.stderr
     assert requests[0]["system"].startswith("You are in a Linux shell")
@@ -117,17 +117,17 @@ def test_model_episode_through_the_anthropic_sdk(tmp_path: Path) -> None:
                                        "is_error": False}
     episode = read_episode(tmp_path)
     assert (episode.turns, episode.finish, episode.final) == (2, "final_message", "done")
-    verdict = json.loads(_cli("agents.terminal.verify", "--task", "write-fox-0", "--out", str(tmp_path)).stdout)
+    verdict = json.loads(_cli("stepline.agents.terminal.verify", "--task", "write-fox-0", "--out", str(tmp_path)).stdout)
     assert verdict == {"reward": 1.0, "success": True, "reason": "ok"}
 
 
 def test_garbage_endpoint_breaks_the_episode_with_a_reason(tmp_path: Path) -> None:
     with ScriptedServer(lambda body: RawReply(200, b"not json at all")) as server:
         env = {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "k"}
-        run = _cli("agents.terminal.run", "--task", "write-fox-0", "--out", str(tmp_path), env=env)
+        run = _cli("stepline.agents.terminal.run", "--task", "write-fox-0", "--out", str(tmp_path), env=env)
     assert run.returncode == 1
     episode = read_episode(tmp_path)
     assert episode.finish == "error" and episode.error
-    verdict = json.loads(_cli("agents.terminal.verify", "--task", "write-fox-0", "--out", str(tmp_path)).stdout)
+    verdict = json.loads(_cli("stepline.agents.terminal.verify", "--task", "write-fox-0", "--out", str(tmp_path)).stdout)
     assert verdict["reward"] == 0.0 and verdict["reason"].startswith("episode broke")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.terminal.sandbox import Limits, Sandbox, detect_mode
+from stepline.agents.terminal.sandbox import Limits, Sandbox, detect_mode
 
 needs_namespace = pytest.mark.skipif(detect_mode() != "namespace", reason="plain mode: best effort only")
 # Guarantees that hold in both modes are also checked in plain mode (as root it drops to a uid of its own).
@@ -137,7 +137,7 @@ def test_memory_limit(tmp_path: Path, mode: str) -> None:
 def test_commands_die_with_a_killed_harness(tmp_path: Path) -> None:
     """The rollout driver SIGKILLs a harness at its episode timeout: its running command must go too."""
     script = (
-        "import sys; from pathlib import Path; from agents.terminal.sandbox import Sandbox, Limits\n"
+        "import sys; from pathlib import Path; from stepline.agents.terminal.sandbox import Sandbox, Limits\n"
         "box = Sandbox(Path(sys.argv[1]), Limits(wall_s=1000)); box.prepare(); print(box.uid, flush=True)\n"
         "box.run('sleep 1000 & sleep 1000')\n"
     )

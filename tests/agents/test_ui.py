@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from harness_helpers import cli, endpoint, random_policy, server_policy, verdict
 
-from agents.common import Episode, ToolCall, ToolError, read_episode, run_episode
-from agents.common.scripted_server import ScriptedServer
-from agents.ui.apps import AlarmsApp, ContactsApp, ShoppingApp
-from agents.ui.harness import (
+from stepline.agents.common import Episode, ToolCall, ToolError, read_episode, run_episode
+from stepline.agents.common.scripted_server import ScriptedServer
+from stepline.agents.ui.apps import AlarmsApp, ContactsApp, ShoppingApp
+from stepline.agents.ui.harness import (
     MAX_TURNS,
     SYSTEM,
     ExpertPolicy,
@@ -24,9 +24,9 @@ from agents.ui.harness import (
     replay,
     replay_with_progress,
 )
-from agents.ui.tasks import split_ids
-from agents.ui.verify import score
-from agents.ui.world import APP_ORDER, task_by_id, tasks
+from stepline.agents.ui.tasks import split_ids
+from stepline.agents.ui.verify import score
+from stepline.agents.ui.world import APP_ORDER, task_by_id, tasks
 
 ALARMS = {"alarms": [{"time": t, "on": False} for t in ("06:00", "07:00", "08:00", "09:00")]}
 
@@ -35,7 +35,7 @@ def test_split_is_fixed_and_test_names_are_new() -> None:
     train, test = split_ids("train"), split_ids("test")
     assert (len(train), len(test)) == (320, 80) and not set(train) & set(test)
     assert sorted(task_by_id()[t].app for t in test) == sorted(APP_ORDER * 20)
-    done = cli("agents.ui.tasks", "--split", "test")
+    done = cli("stepline.agents.ui.tasks", "--split", "test")
     assert done.returncode == 0 and json.loads(done.stdout) == test
     names = lambda split: {c["name"] for t in tasks() if t.split == split and t.app == "contacts" for c in t.data["contacts"]}  # noqa: E731
     assert not names("train") & names("test")
@@ -179,7 +179,7 @@ def test_partial_credit_counts_the_plan_steps_reached_in_order() -> None:
 def test_model_episode_through_the_openai_sdk_then_cli_verify(tmp_path: Path) -> None:
     task = task_by_id()["ui-0003"]  # an ask-the-user shopping task
     with ScriptedServer(server_policy(ExpertPolicy(task, make_app(task).render()))) as server:
-        done = cli("agents.ui.run", "--task", task.id, "--out", str(tmp_path), "--max-tokens", "64",
+        done = cli("stepline.agents.ui.run", "--task", task.id, "--out", str(tmp_path), "--max-tokens", "64",
                    env=endpoint(server.openai_base_url))
     assert done.returncode == 0, done.stderr
     assert verdict("ui", task.id, tmp_path).success
@@ -191,7 +191,7 @@ def test_model_episode_through_the_openai_sdk_then_cli_verify(tmp_path: Path) ->
 
 
 def test_expert_cli_and_a_down_endpoint(tmp_path: Path) -> None:
-    assert cli("agents.ui.run", "--task", "ui-0009", "--out", str(tmp_path / "x"), "--expert").returncode == 0
+    assert cli("stepline.agents.ui.run", "--task", "ui-0009", "--out", str(tmp_path / "x"), "--expert").returncode == 0
     assert score("ui-0009", read_episode(tmp_path / "x")).success
-    down = cli("agents.ui.run", "--task", "ui-0009", "--out", str(tmp_path / "d"), env=endpoint("http://127.0.0.1:9/v1"))
+    down = cli("stepline.agents.ui.run", "--task", "ui-0009", "--out", str(tmp_path / "d"), env=endpoint("http://127.0.0.1:9/v1"))
     assert down.returncode == 1 and "APIConnectionError" in read_episode(tmp_path / "d").error

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datapool import open_pool
-from datapool.records import CallRecord, Purpose, Reward, SessionInfo
+from stepline.datapool import open_pool
+from stepline.datapool.records import CallRecord, Purpose, Reward, SessionInfo
 
 
 @dataclass

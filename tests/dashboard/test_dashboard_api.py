@@ -14,10 +14,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 
-from datapool import open_pool
-from datapool.steps import select_leaves, superseded_leaves
 from stepline.dashboard.app import DashboardConfig, make_app
 from stepline.dashboard.groups import group_view, trainer_config
+from stepline.datapool import open_pool
+from stepline.datapool.steps import select_leaves, superseded_leaves
 from stepline.report import wilson
 
 
@@ -164,7 +164,7 @@ async def test_run_view_series(run_fixture):
 
 
 async def test_a_pool_service_url_serves_the_same_table(run_fixture):
-    from datapool.service import make_app as pool_app
+    from stepline.datapool.service import make_app as pool_app
 
     pool = open_pool(f"sqlite:///{run_fixture.root / 'pool.db'}", read_only=True)
     async with TestServer(pool_app(pool), host="127.0.0.1") as service:

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from datapool import open_pool
+from stepline.datapool import open_pool
 
 PG_ENV = "STEPLINE_PG_URL"
 

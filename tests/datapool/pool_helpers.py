@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from datapool.records import CallRecord, SessionInfo
+from stepline.datapool.records import CallRecord, SessionInfo
 
 
 def session(sid: str = "s1", task: str = "t1", harness: str = "h", group: str | None = None) -> SessionInfo:
@@ -25,7 +25,7 @@ def _ids(xs) -> np.ndarray:
 class ServiceThread:
     """The pool service on a free port, on its own event loop thread (for tests)."""
 
-    def __init__(self, db_url: str, tokens=None) -> None:  # tokens: datapool.service.Tokens
+    def __init__(self, db_url: str, tokens=None) -> None:  # tokens: stepline.datapool.service.Tokens
         self.db_url = db_url
         self.tokens = tokens
         self.url = ""
@@ -36,8 +36,8 @@ class ServiceThread:
 
         from aiohttp import web
 
-        from datapool import open_pool
-        from datapool.service import make_app
+        from stepline.datapool import open_pool
+        from stepline.datapool.service import make_app
 
         self.loop = asyncio.new_event_loop()
         started = threading.Event()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pool_helpers import call, session
 
-from datapool.records import Reward
+from stepline.datapool.records import Reward
 
 
 def ready(pool, sid: str, task: str) -> None:

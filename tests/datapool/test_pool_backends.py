@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pool_helpers import call, session
 
-from datapool import InvalidRecord, ReadOnlyPool, UnknownSession, open_pool
-from datapool.records import Reward
-from datapool.tree import RadixTree
+from stepline.datapool import InvalidRecord, ReadOnlyPool, UnknownSession, open_pool
+from stepline.datapool.records import Reward
+from stepline.datapool.tree import RadixTree
 
 
 def tree_shape(tree):

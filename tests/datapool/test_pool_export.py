@@ -8,10 +8,10 @@ import zstandard
 from click.testing import CliRunner
 from pool_helpers import call, session
 
-from datapool import PoolError, ReadOnlyPool, open_pool
-from datapool.cli import pool_group
-from datapool.export import export_pool, import_pool, read_export
-from datapool.records import Reward
+from stepline.datapool import PoolError, ReadOnlyPool, open_pool
+from stepline.datapool.cli import pool_group
+from stepline.datapool.export import export_pool, import_pool, read_export
+from stepline.datapool.records import Reward
 
 
 def fill(pool) -> None:

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from pool_helpers import ServiceThread, call, session
 
-from datapool import InvalidRecord, PoolError, open_pool
-from datapool.client import PoolClient, PoolUnavailable
-from datapool.records import SessionInfo
-from datapool.steps import ROOT
+from stepline.datapool import InvalidRecord, PoolError, open_pool
+from stepline.datapool.client import PoolClient, PoolUnavailable
+from stepline.datapool.records import SessionInfo
+from stepline.datapool.steps import ROOT
 
 
 def test_service_answers_bad_requests_with_4xx(tmp_path):

@@ -8,9 +8,9 @@ import pytest
 from pool_helpers import call
 from rich.console import Console
 
-from datapool import InvalidRecord, open_pool
-from datapool.records import ForkPoint, SessionInfo
-from datapool.show import render_episode
+from stepline.datapool import InvalidRecord, open_pool
+from stepline.datapool.records import ForkPoint, SessionInfo
+from stepline.datapool.show import render_episode
 
 
 def text(renderable) -> str:

@@ -10,10 +10,10 @@ import msgpack
 import pytest
 from pool_helpers import ServiceThread
 
-from datapool import open_pool
-from datapool.base import InvalidRecord, PoolError
-from datapool.records import PURPOSES, SessionInfo, legacy_purpose
-from datapool.wire import decode_session
+from stepline.datapool import open_pool
+from stepline.datapool.base import InvalidRecord, PoolError
+from stepline.datapool.records import PURPOSES, SessionInfo, legacy_purpose
+from stepline.datapool.wire import decode_session
 
 
 def test_every_purpose_is_stored_and_read_back(pool) -> None:

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pool_helpers import ServiceThread
 
-from datapool import wire
-from datapool.records import CallRecord, SessionInfo
+from stepline.datapool import wire
+from stepline.datapool.records import CallRecord, SessionInfo
 
 FUZZ_EXAMPLES = int(os.environ.get("STEPLINE_FUZZ_EXAMPLES", "200"))
 STATUSES: Counter = Counter()
@@ -70,7 +70,7 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    from datapool import open_pool
+    from stepline.datapool import open_pool
 
     db = tmp_path_factory.mktemp("fuzzpool") / "p.db"
     pool = open_pool(f"sqlite:///{db}")  # one real session with a call, so that reads find something

@@ -8,8 +8,8 @@ import msgpack
 import pytest
 from pool_helpers import ServiceThread, session
 
-from datapool.client import PoolClient, PoolUnauthorized
-from datapool.service import Tokens
+from stepline.datapool.client import PoolClient, PoolUnauthorized
+from stepline.datapool.service import Tokens
 
 
 def _post(url: str, method: str, args: dict, token: str | None = None) -> httpx.Response:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from datapool.records import Reward, SessionInfo
-from datapool.steps import build_episode, main_leaf, select_leaves, superseded_leaves, trajectories
-from datapool.tree import RadixTree
+from stepline.datapool.records import Reward, SessionInfo
+from stepline.datapool.steps import build_episode, main_leaf, select_leaves, superseded_leaves, trajectories
+from stepline.datapool.tree import RadixTree
 
 
 def build(*calls):

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datapool.tree import ROOT, RadixTree, StoredCall, common_prefix_len, replay
+from stepline.datapool.tree import ROOT, RadixTree, StoredCall, common_prefix_len, replay
 
 
 def ids(*xs: int) -> np.ndarray:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stepline.job import load_job
-from stepline.run import run_job
+from stepline.launch.job import load_job
+from stepline.launch.run import run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -28,8 +28,8 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from datapool import open_pool
-from datapool.records import CallRecord, Reward, SessionInfo
+from stepline.datapool import open_pool
+from stepline.datapool.records import CallRecord, Reward, SessionInfo
 
 CHROMIUM = Path("/usr/bin/chromium")
 # as root, without a sandbox; no background traffic (the machine's network is closed: it would be refused)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from datapool import open_pool
+from stepline.datapool import open_pool
 
 
 def test_every_part_took_part(main_job_run: tuple[Path, dict]) -> None:

@@ -17,10 +17,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from datapool import open_pool
-from gateway.parsers import parse_text
-from stepline.job import load_job
-from stepline.run import run_job
+from stepline.datapool import open_pool
+from stepline.gateway.parsers import parse_text
+from stepline.launch.job import load_job
+from stepline.launch.run import run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the job takes minutes, not the suite default 300 s
 ROOT = Path(__file__).resolve().parents[2]

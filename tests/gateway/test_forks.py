@@ -1,4 +1,4 @@
-"""Forks (gateway/forks.py): a fork replays its source's calls before the branch point without the engine,
+"""Forks (stepline/gateway/forks.py): a fork replays its source's calls before the branch point without the engine,
 keeps their exact ids (its first recorded prompt is the source's, token for token), samples from there,
 records the link in the pool, and branches earlier where the harness does not repeat itself."""
 
@@ -11,7 +11,7 @@ import httpx
 import openai
 from gateway_helpers import fake_engine, serve, tokenizer
 
-from datapool.records import ForkPoint
+from stepline.datapool.records import ForkPoint
 
 TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
 

@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
-from gateway.testing import FakeEngine, Scripted
 from stepline.cli import main
+from stepline.gateway.testing import FakeEngine, Scripted
 
 ADMIN = {"Authorization": "Bearer adm"}
 
@@ -92,8 +92,8 @@ async def wait_health(url: str, proc, timeout: float = 60) -> None:
 
 
 async def test_gateway_process_serves_records_and_flushes_on_sigterm(tiny_model_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("gateway.app")
-    from datapool import open_pool
+    pytest.importorskip("stepline.gateway.app")
+    from stepline.datapool import open_pool
 
     fake, answer = scripted_answer(tiny_model_dir, "Hello there")
     db = tmp_path / "pool.db"
@@ -161,7 +161,7 @@ async def test_gateway_process_serves_records_and_flushes_on_sigterm(tiny_model_
 
 
 def test_up_starts_everything_prints_how_and_stops_on_ctrl_c(tiny_model_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("gateway.app")
+    pytest.importorskip("stepline.gateway.app")
     openai = pytest.importorskip("openai")
     proc = subprocess.Popen(
         stepline("up", "--model", str(tiny_model_dir), "--port", "0", "--state-dir", str(tmp_path)),
@@ -188,7 +188,7 @@ def test_up_starts_everything_prints_how_and_stops_on_ctrl_c(tiny_model_dir: Pat
         proc.send_signal(signal.SIGINT)
         proc.wait(90)
     assert proc.returncode == 0
-    from datapool import open_pool
+    from stepline.datapool import open_pool
 
     pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
     try:

@@ -19,8 +19,8 @@ import orjson
 import pytest
 from gateway_helpers import ServedInThread, fake_engine, serve, tokenizer
 
-from gateway.frontends import pipeline as flow
-from gateway.frontends.pipeline import choice_seed, int64_violation
+from stepline.gateway.frontends import pipeline as flow
+from stepline.gateway.frontends.pipeline import choice_seed, int64_violation
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]

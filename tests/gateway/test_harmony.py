@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.parsers import Event, collect, make_parser, parse_text
+from stepline.gateway.parsers import Event, collect, make_parser, parse_text
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}, "get_time": {}}
 
@@ -102,7 +102,7 @@ def test_a_streamed_call_opens_at_its_header_and_sends_fragments() -> None:
 
 
 def test_detected_from_a_harmony_template() -> None:
-    from gateway.profile import _BY_MODEL_TYPE, _CANDIDATES, _REASONING_MARKERS
+    from stepline.gateway.profile import _BY_MODEL_TYPE, _CANDIDATES, _REASONING_MARKERS
 
     assert _CANDIDATES[0] == "gpt-oss" and _BY_MODEL_TYPE["gpt_oss"] == "gpt-oss"
     assert _REASONING_MARKERS[0] == ("<|channel|>", "gpt-oss")

@@ -12,11 +12,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway_helpers import fake_engine, serve, tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
-from datapool import open_pool
-from gateway.engines import make_engine
-from gateway.fleet import EngineRouter, WeightGate
-from gateway.recorder import GatewayMetrics, Recorder
-from gateway.testing import FakeEngine
+from stepline.datapool import open_pool
+from stepline.gateway.engines import make_engine
+from stepline.gateway.fleet import EngineRouter, WeightGate
+from stepline.gateway.recorder import GatewayMetrics, Recorder
+from stepline.gateway.testing import FakeEngine
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:

@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.parsers import collect, make_parser, parse_text
+from stepline.gateway.parsers import collect, make_parser, parse_text
 
 CALL = '<tool_call>\n{"name": "get", "arguments": {"q": "x"}}\n</tool_call>'
 

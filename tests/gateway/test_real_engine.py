@@ -16,7 +16,7 @@ import openai
 import pytest
 from gateway_helpers import Served, serve
 
-from gateway.engines import SamplingParams, make_engine
+from stepline.gateway.engines import SamplingParams, make_engine
 
 pytest.importorskip("stepline.engine.testing")
 

@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 from gateway_helpers import fake_engine, serve, tokenizer
 
-from datapool import open_pool
-from datapool.records import CallRecord, Reward, SessionInfo
+from stepline.datapool import open_pool
+from stepline.datapool.records import CallRecord, Reward, SessionInfo
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datapool.base import InvalidRecord, UnknownSession
-from datapool.records import CallRecord, Reward, SessionInfo
-from gateway.recorder import Recorder
+from stepline.datapool import open_pool
+from stepline.datapool.base import InvalidRecord, UnknownSession
+from stepline.datapool.records import CallRecord, Reward, SessionInfo
+from stepline.gateway.recorder import Recorder
 
 
 def call(session: str, index: int) -> CallRecord:
@@ -146,7 +147,7 @@ async def test_outage_keeps_records_and_back_pressure_applies() -> None:
 async def test_a_refused_call_is_counted_and_logged_the_rest_written(pool_recorder, caplog) -> None:
     pool, recorder = pool_recorder
     pool.refuse = {1}
-    with caplog.at_level(logging.ERROR, logger="gateway.recorder"):
+    with caplog.at_level(logging.ERROR, logger="stepline.gateway.recorder"):
         for i in range(3):
             recorder.record_call(call("s", i))
         await recorder.flush()
@@ -181,16 +182,13 @@ async def test_aclose_gives_up_on_a_dead_pool_loudly(caplog) -> None:
     await recorder.start()
     recorder.record_call(call("s", 0))
     recorder.record_call(call("s", 1))
-    with caplog.at_level(logging.ERROR, logger="gateway.recorder"):
+    with caplog.at_level(logging.ERROR, logger="stepline.gateway.recorder"):
         await asyncio.wait_for(recorder.aclose(), 5)
     assert "2 call records NOT written" in caplog.text
 
 
 async def test_records_into_the_real_embedded_pool(tmp_path: Path) -> None:
-    datapool = pytest.importorskip("datapool")
-    if not hasattr(datapool, "open_pool"):
-        pytest.skip("datapool.open_pool not available yet")
-    pool = datapool.open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
     recorder = Recorder(pool)
     await recorder.start()
     await recorder.create_session(SessionInfo("s", "task", "h"))
@@ -208,8 +206,8 @@ async def test_pool_service_outage_loses_nothing(tmp_path: Path) -> None:
     """The pool service goes away mid-session and comes back on the same port: every call arrives, in order."""
     from aiohttp import web
 
-    from datapool import open_pool
-    from datapool.service import make_app
+    from stepline.datapool import open_pool
+    from stepline.datapool.service import make_app
 
     url = f"sqlite:///{tmp_path / 'pool.db'}"
 
@@ -261,7 +259,7 @@ async def test_a_bug_in_the_pool_stops_the_recorder_loudly(caplog) -> None:
     recorder = Recorder(pool, flush_interval=0.001, max_backoff=0.01)
     await recorder.start()
     await recorder.create_session(SessionInfo("s", "task", "h"))
-    with caplog.at_level(logging.ERROR, logger="gateway.recorder"):
+    with caplog.at_level(logging.ERROR, logger="stepline.gateway.recorder"):
         recorder.record_call(call("s", 0))
         with pytest.raises(KeyError, match="a bug in the pool"):  # the waiting caller behind it gets the error
             await asyncio.wait_for(recorder.end_session("s", "completed"), 5)
@@ -271,7 +269,7 @@ async def test_a_bug_in_the_pool_stops_the_recorder_loudly(caplog) -> None:
     assert "which is no outage" in caplog.text and "Traceback" in caplog.text
     with pytest.raises(RuntimeError, match="the recorder stopped"):
         await recorder.add_reward(Reward("s", 1.0))
-    with caplog.at_level(logging.ERROR, logger="gateway.recorder"):
+    with caplog.at_level(logging.ERROR, logger="stepline.gateway.recorder"):
         await recorder.aclose()
     assert recorder.written == 0 and "records the pool never accepted" in caplog.text  # and says so
 

@@ -161,8 +161,8 @@ async def test_calls_during_a_weight_update_wait_then_get_503(qwen3_model_dir: P
 def test_token_memory_is_bounded_to_the_most_recent_sessions(qwen3_model_dir: Path) -> None:
     import numpy as np
 
-    from gateway.sessions import SessionStore
-    from gateway.templating import load_template
+    from stepline.gateway.sessions import SessionStore
+    from stepline.gateway.templating import load_template
 
     store = SessionStore(load_template(qwen3_model_dir), max_live=1)
     a, b = store.new("t", "h", None, {}), store.new("t", "h", None, {})

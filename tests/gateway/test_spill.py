@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datapool import open_pool
-from datapool.records import CallRecord, SessionInfo
-from gateway.recorder import Recorder
-from gateway.spill import Spill
+from stepline.datapool import open_pool
+from stepline.datapool.records import CallRecord, SessionInfo
+from stepline.gateway.recorder import Recorder
+from stepline.gateway.spill import Spill
 
 
 def call(session: str, index: int) -> CallRecord:

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.sessions import TextMemory, TokenState
-from gateway.templating import ChatTemplate
+from stepline.gateway.sessions import TextMemory, TokenState
+from stepline.gateway.templating import ChatTemplate
 
 TOOLS = [{"type": "function", "function": {"name": "get", "description": "fetch",
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]

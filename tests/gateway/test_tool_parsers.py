@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, collect, make_parser, parse_text
+from stepline.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, collect, make_parser, parse_text
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
          "get_time": {}}
@@ -121,7 +121,7 @@ def test_unknown_parser_names_list_the_known_ones() -> None:
 def test_the_cli_refuses_unknown_parser_names(tmp_path) -> None:
     from click.testing import CliRunner
 
-    from gateway.cli import gateway_command
+    from stepline.gateway.cli import gateway_command
 
     args = ["--engine", "http://127.0.0.1:9", "--model", str(tmp_path), "--pool", "sqlite:///x.db"]
     result = CliRunner().invoke(gateway_command, args + ["--tool-parser", "hermez"])

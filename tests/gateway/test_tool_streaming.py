@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tool_parsers import CASES, TOOLS
 
-from gateway.parsers import TOOL_PARSERS, Event, collect, make_parser, parse_text
-from gateway.parsers.incremental import JsonArgs
+from stepline.gateway.parsers import TOOL_PARSERS, Event, collect, make_parser, parse_text
+from stepline.gateway.parsers.incremental import JsonArgs
 
 STREAMED = sorted(n for n in CASES if (fmt := TOOL_PARSERS[n]) is not None and fmt.scanner is not None)
 WHOLE_ONLY = sorted(n for n in CASES if n not in STREAMED)

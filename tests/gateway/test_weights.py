@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from gateway.engines import EngineError, SamplingParams, make_engine
-from gateway.fleet import EngineRouter, Paused, UpdateRefused, WeightGate
-from gateway.testing import FakeEngine
+from stepline.gateway.engines import EngineError, SamplingParams, make_engine
+from stepline.gateway.fleet import EngineRouter, Paused, UpdateRefused, WeightGate
+from stepline.gateway.testing import FakeEngine
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """A tiny aiohttp stand-in for the gateway's session endpoints (POST /sessions, /reward, /end), for
 rollout-driver tests that need no model. The base URLs it hands out point wherever the test says
-(e.g. at agents.common.scripted_server), so harnesses still talk to a real wire format."""
+(e.g. at stepline.agents.common.scripted_server), so harnesses still talk to a real wire format."""
 
 from __future__ import annotations
 

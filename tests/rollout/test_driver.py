@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from session_standin import session_standin
 
-from rollout.client import GatewayClient
-from rollout.config import HarnessSpec, RolloutConfig
-from rollout.driver import RolloutDriver, format_stats, parse_verdict, run_rollouts
-from stepline.job import load_job
+from stepline.launch.job import load_job
+from stepline.rollout.client import GatewayClient
+from stepline.rollout.config import HarnessSpec, RolloutConfig
+from stepline.rollout.driver import RolloutDriver, format_stats, parse_verdict, run_rollouts
 
 PY = sys.executable
 
@@ -153,9 +153,9 @@ def test_config_validation_and_job_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="duplicate names"):
         RolloutConfig(harnesses=[HarnessSpec(name="t", module="m"), HarnessSpec(name="t", module="m")])
     job = tmp_path / "job.toml"
-    job.write_text('[rollout]\ngroup_size = 3\n[[rollout.harnesses]]\nname = "terminal"\nmodule = "agents.terminal"\n')
-    config = load_job(job).rollout  # the one job loader (stepline.job)
-    assert config.group_size == 3 and config.harnesses[0].module == "agents.terminal"
+    job.write_text('[rollout]\ngroup_size = 3\n[[rollout.harnesses]]\nname = "terminal"\nmodule = "stepline.agents.terminal"\n')
+    config = load_job(job).rollout  # the one job loader (stepline.launch.job)
+    assert config.group_size == 3 and config.harnesses[0].module == "stepline.agents.terminal"
 
 
 def test_parse_verdict() -> None:
@@ -169,8 +169,8 @@ def test_parse_verdict() -> None:
 async def test_terminal_harness_through_the_driver_with_a_scripted_model(tmp_path: Path) -> None:
     """The real terminal harness (module contract) driven by the driver; the 'model' answers each
     task's prompt with its expert command, so every episode must score 1."""
-    from agents.common.scripted_server import Reply, ScriptedServer
-    from agents.terminal.tasks import get_task, task_ids
+    from stepline.agents.common.scripted_server import Reply, ScriptedServer
+    from stepline.agents.terminal.tasks import get_task, task_ids
 
     tasks = task_ids("test")[:4]
     solution = {get_task(t).prompt: get_task(t).expert_command for t in tasks}
@@ -180,7 +180,7 @@ async def test_terminal_harness_through_the_driver_with_a_scripted_model(tmp_pat
             return Reply("done")
         return Reply(None, [("bash", {"command": solution[body["messages"][0]["content"]]})])
 
-    spec = HarnessSpec(name="terminal", module="agents.terminal", tasks=tasks)
+    spec = HarnessSpec(name="terminal", module="stepline.agents.terminal", tasks=tasks)
     with ScriptedServer(policy) as model:
         async with session_standin(model.url) as gw, GatewayClient(gw.url, "admin") as client:
             driver = RolloutDriver(_config(spec, group_size=2, max_concurrency=4), client, tmp_path)
@@ -193,7 +193,7 @@ async def test_cancelling_an_episode_kills_its_process_group_at_once(tmp_path: P
     """Ctrl-C cancels the rollout tasks: the harness and whatever it started die, the cancellation is not lost."""
     import asyncio
 
-    from rollout.driver import run_process
+    from stepline.rollout.driver import run_process
 
     pid_file = tmp_path / "child.pid"
     script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); "

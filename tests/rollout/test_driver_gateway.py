@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from gateway.testing import FakeEngine, Scripted, recording_gateway
-from rollout.client import GatewayClient
-from rollout.config import HarnessSpec, RolloutConfig
-from rollout.driver import RolloutDriver
-from rollout.evaluate import evaluate
+from stepline.gateway.testing import FakeEngine, Scripted, recording_gateway
+from stepline.rollout.client import GatewayClient
+from stepline.rollout.config import HarnessSpec, RolloutConfig
+from stepline.rollout.driver import RolloutDriver
+from stepline.rollout.evaluate import evaluate
 
 END = "<|im_end|>"
 
@@ -24,11 +24,11 @@ def gateway(model_dir: Path, engine_url: str, tmp_path: Path, kind: str):
 
 
 def _terminal(tasks: list[str], max_turns: int = 2) -> HarnessSpec:
-    return HarnessSpec(name="terminal", module="agents.terminal", tasks=tasks, max_turns=max_turns)
+    return HarnessSpec(name="terminal", module="stepline.agents.terminal", tasks=tasks, max_turns=max_turns)
 
 
 async def test_scripted_expert_through_the_gateway_scores_one(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from agents.terminal.tasks import get_task
+    from stepline.agents.terminal.tasks import get_task
 
     task = get_task("write-cow-0")
     tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))

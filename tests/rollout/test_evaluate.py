@@ -12,9 +12,9 @@ from pathlib import Path
 from click.testing import CliRunner
 from session_standin import StandIn, session_standin
 
-from rollout.config import HarnessSpec, RolloutConfig
-from rollout.evaluate import evaluate
-from stepline.commands import eval_command
+from stepline.launch.commands import eval_command
+from stepline.rollout.config import HarnessSpec, RolloutConfig
+from stepline.rollout.evaluate import evaluate
 
 ONE = "echo '{\"reward\": 1, \"success\": true}'"
 ZERO = "echo '{\"reward\": 0}'"
@@ -99,7 +99,7 @@ def test_cli_prints_success_per_harness_and_writes_json(tmp_path: Path) -> None:
 
 
 def test_spread_takes_evenly_spaced_tasks():
-    from rollout.evaluate import spread
+    from stepline.rollout.evaluate import spread
 
     ids = [f"t{i}" for i in range(10)]
     # i * 10 // 3 for i = 0, 1, 2 -> 0, 3, 6: every kind of an ordered list is sampled, not just the first

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollout.config import HarnessSpec
-from rollout.demos import expert_episodes
+from stepline.rollout.config import HarnessSpec
+from stepline.rollout.demos import expert_episodes
 
 
 async def test_demonstrations_per_harness_can_differ(tmp_path: Path) -> None:
-    specs = [HarnessSpec(name="ui", module="agents.ui"), HarnessSpec(name="search", module="agents.search")]
+    specs = [HarnessSpec(name="ui", module="stepline.agents.ui"), HarnessSpec(name="search", module="stepline.agents.search")]
     demos = await expert_episodes(specs, per_harness=1, concurrency=2, work=tmp_path, seed=0, counts={"ui": 3})
     by_harness = [spec.name for spec, _, _ in demos]
     assert sorted(by_harness) == ["search", "ui", "ui", "ui"]

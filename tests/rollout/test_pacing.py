@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from datapool import open_pool
-from rollout.config import RolloutConfig
-from rollout.pacing import BackgroundRollouts
+from stepline.datapool import open_pool
+from stepline.rollout.config import RolloutConfig
+from stepline.rollout.pacing import BackgroundRollouts
 
 
 def test_stop_after_the_rollouts_ran_out(tmp_path: Path) -> None:

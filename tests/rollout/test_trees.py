@@ -1,4 +1,4 @@
-"""Tree-search rollouts (rollout/trees.py) through the real gateway: the search harness plays a root episode,
+"""Tree-search rollouts (stepline/rollout/trees.py) through the real gateway: the search harness plays a root episode,
 the driver forks it at a step boundary, the fork replays the root's steps before it with their exact ids and
 samples from there; both sessions carry the task's gold answer and the group is claimable only once both end."""
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from datapool.records import ForkPoint
-from gateway.testing import FakeEngine, Scripted, recording_gateway
-from rollout.client import GatewayClient
-from rollout.config import HarnessSpec, RolloutConfig, TreeSearch
-from rollout.driver import RolloutDriver
-from rollout.trees import TreeEpisode, branch_points, draw_branches
+from stepline.datapool.records import ForkPoint
+from stepline.gateway.testing import FakeEngine, Scripted, recording_gateway
+from stepline.rollout.client import GatewayClient
+from stepline.rollout.config import HarnessSpec, RolloutConfig, TreeSearch
+from stepline.rollout.driver import RolloutDriver
+from stepline.rollout.trees import TreeEpisode, branch_points, draw_branches
 
 END = "<|im_end|>"
 
@@ -40,7 +40,7 @@ def test_tree_search_and_references_are_checked() -> None:
     with pytest.raises(ValueError, match="references"):
         HarnessSpec(name="x", command="true", tasks=["a"], references=True)
     with pytest.raises(ValueError):
-        HarnessSpec(name="x", module="agents.search", tree_search={"trees": 0})
+        HarnessSpec(name="x", module="stepline.agents.search", tree_search={"trees": 0})
 
 
 async def test_a_tree_group_forks_through_the_gateway(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -50,7 +50,7 @@ async def test_a_tree_group_forks_through_the_gateway(tiny_model_dir: Path, tmp_
              call("answer", text="Nowhere"), call("answer", text="Nowhere")]  # the fork, at call 1 or 2
     script = [Scripted(tok.encode(t, add_special_tokens=False).ids + [end], text=t) for t in texts]
     engine = FakeEngine(script, eos_id=end, decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
-    spec = HarnessSpec(name="search", module="agents.search", tasks=["search-0000"], references=True,
+    spec = HarnessSpec(name="search", module="stepline.agents.search", tasks=["search-0000"], references=True,
                        tree_search=TreeSearch(trees=1, branches=1))
     async with engine as engine_url, recording_gateway(tiny_model_dir, engine_url, tmp_path / "pool.db", "sglang") as (
             url, pool):

@@ -1,4 +1,4 @@
-"""The rollout driver with long-lived harness workers (rollout/worker.py, agents/common/serve.py):
+"""The rollout driver with long-lived harness workers (stepline/rollout/worker.py, stepline/agents/common/serve.py):
 the same verdicts as one process per episode, each episode with its own session key, and the faults
 (a worker that crashes, hangs or lacks a serve module; an episode that times out or is cancelled)."""
 
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from session_standin import session_standin
 
-from agents.common.scripted_server import Reply, ScriptedServer
-from rollout import worker as rollout_worker
-from rollout.client import GatewayClient
-from rollout.config import HarnessSpec, RolloutConfig
-from rollout.driver import RolloutDriver
+from stepline.agents.common.scripted_server import Reply, ScriptedServer
+from stepline.rollout import worker as rollout_worker
+from stepline.rollout.client import GatewayClient
+from stepline.rollout.config import HarnessSpec, RolloutConfig
+from stepline.rollout.driver import RolloutDriver
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = {"search": ["search-0004", "search-0009"], "ui": ["ui-0003", "ui-0008"],
@@ -28,12 +28,12 @@ TASKS = {"search": ["search-0004", "search-0009"], "ui": ["ui-0003", "ui-0008"],
 def expert_replies(harness: str, task_id: str) -> tuple[str, list[Reply]]:
     """The user prompt of a task and the expert's answers to it, as a scripted model would give them."""
     if harness == "terminal":
-        from agents.terminal.tasks import get_task
+        from stepline.agents.terminal.tasks import get_task
 
         task = get_task(task_id)
         return task.prompt, [Reply(None, [("bash", {"command": task.expert_command})]), Reply("done")]
-    from agents.search.harness import play as search_play
-    from agents.ui.harness import play as ui_play
+    from stepline.agents.search.harness import play as search_play
+    from stepline.agents.ui.harness import play as ui_play
 
     episode = {"search": search_play, "ui": ui_play}[harness](task_id, 4, expert=True)
     replies = [Reply(m["content"], [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])])
@@ -65,13 +65,13 @@ async def test_worker_and_processes_score_model_episodes_alike(tmp_path: Path) -
     outcomes: dict[bool, dict[tuple[str, str], tuple]] = {}
     with ScriptedServer(scripted(script)) as model:
         for persistent in (True, False):
-            specs = [HarnessSpec(name=h, module=f"agents.{h}", tasks=t, max_tokens=77, persistent=persistent)
+            specs = [HarnessSpec(name=h, module=f"stepline.agents.{h}", tasks=t, max_tokens=77, persistent=persistent)
                      for h, t in TASKS.items()]
             async with session_standin(model.url) as gw, GatewayClient(gw.url, "admin") as client:
                 async with RolloutDriver(config(*specs), client, tmp_path / str(persistent)) as driver:
                     await asyncio.gather(*(driver.run_group(s, t) for s in specs for t in s.tasks or []))
                     assert {m: w.starts for m, w in driver.workers.items()} == (
-                        {f"agents.{h}": 1 for h in TASKS} if persistent else {})
+                        {f"stepline.agents.{h}": 1 for h in TASKS} if persistent else {})
             outcomes[persistent] = {(r.harness, r.task_id): (r.status, r.reward, r.success, r.reason)
                                     for r in driver.results}
     assert outcomes[True] == outcomes[False]
@@ -93,12 +93,12 @@ async def test_concurrent_episodes_in_one_worker_each_use_their_own_session_key(
             both_asked.wait()
         return scripted(script)(body)
 
-    spec = HarnessSpec(name="search", module="agents.search", tasks=tasks)  # persistent by default
+    spec = HarnessSpec(name="search", module="stepline.agents.search", tasks=tasks)  # persistent by default
     with ScriptedServer(policy) as model:
         async with session_standin(model.url) as gw, GatewayClient(gw.url, "admin") as client:
             async with RolloutDriver(config(spec), client, tmp_path) as driver:
                 await asyncio.gather(*(driver.run_group(spec, t) for t in tasks))
-                assert driver.workers["agents.search"].starts == 1
+                assert driver.workers["stepline.agents.search"].starts == 1
     assert [r.reward for r in driver.results] == [1.0, 1.0], driver.results
     key_of_task = {body["task_id"]: body["api_key"] for body in gw.sessions.values()}
     task_of_prompt = {expert_replies("search", t)[0]: t for t in tasks}
@@ -112,8 +112,8 @@ FAKE_SERVE = '''
 """A fake harness worker whose episodes misbehave on purpose (tests/rollout/test_worker.py)."""
 import os, signal, sys, time
 from pathlib import Path
-from agents.common import Episode, Verdict, verdict_for
-from agents.common.serve import ServedHarness, serve_command
+from stepline.agents.common import Episode, Verdict, verdict_for
+from stepline.agents.common.serve import ServedHarness, serve_command
 
 DIR = Path(os.environ["FAKEH_DIR"])
 
@@ -245,27 +245,27 @@ async def test_episode_timeout_kills_the_terminal_sandbox_and_the_worker_lives_o
     task_id, *_ = TASKS["terminal"]
     prompt, _ = expert_replies("terminal", task_id)
     script = {prompt: [Reply(None, [("bash", {"command": f"touch started; sleep {marker}"})])]}
-    spec = HarnessSpec(name="terminal", module="agents.terminal", tasks=[task_id])
+    spec = HarnessSpec(name="terminal", module="stepline.agents.terminal", tasks=[task_id])
     with ScriptedServer(scripted(script)) as model:
         async with session_standin(model.url) as gw, GatewayClient(gw.url, "admin") as client:
             cfg = config(spec, episode_timeout_s=5.0, keep_episodes=True)
             async with RolloutDriver(cfg, client, tmp_path) as driver:
                 episode = asyncio.create_task(driver.run_episode(spec, task_id, None))
                 # The command ran: its sleep shows on the host while the episode lasts (its files live in the
-                # episode's quota tmpfs, which dies with the killed harness: agents/terminal/quota.py).
+                # episode's quota tmpfs, which dies with the killed harness: stepline/agents/terminal/quota.py).
                 while not (started := _sleepers(marker, within_s=0)) and not episode.done():
                     await asyncio.sleep(0.05)
                 timed_out = await episode
                 assert timed_out.reason == "harness timed out after 5s"
                 assert started != []
                 # Gone at once, long before the sandbox's own 10 s limit per command would end it
-                # (agents/terminal/sandbox.py), and the episode never got to ask the model again.
+                # (stepline/agents/terminal/sandbox.py), and the episode never got to ask the model again.
                 assert _sleepers(marker, within_s=3) == []
                 assert len(model.requests) == 1
-                worker = driver.workers["agents.terminal"].pid
+                worker = driver.workers["stepline.agents.terminal"].pid
                 model.policy = scripted(dict([expert_replies("terminal", task_id)]))
                 assert (await driver.run_episode(spec, task_id, None)).reward == 1.0
-                assert driver.workers["agents.terminal"].pid == worker
+                assert driver.workers["stepline.agents.terminal"].pid == worker
 
 
 def _sleepers(marker: str, within_s: float) -> list[int]:

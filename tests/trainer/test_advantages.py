@@ -7,8 +7,15 @@ import math
 import pytest
 import torch
 
-from trainer.algorithms import ADVANTAGES, AdvantageInputs, group_index, group_normalize, imitation_bonus, leave_one_out
-from trainer.algorithms.advantages import value_targets
+from stepline.trainer.algorithms import (
+    ADVANTAGES,
+    AdvantageInputs,
+    group_index,
+    group_normalize,
+    imitation_bonus,
+    leave_one_out,
+)
+from stepline.trainer.algorithms.advantages import value_targets
 
 torch.set_num_threads(1)
 

@@ -14,11 +14,11 @@ import torch
 from trainer_helpers import rollout, toy_target
 from transformers import AutoModelForCausalLM
 
-from datapool import open_pool
-from trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.config import TrainerConfig
-from trainer.loop import build_policy, train
-from trainer.weight_sync import NoWeightSync
+from stepline.datapool import open_pool
+from stepline.trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from stepline.trainer.config import TrainerConfig
+from stepline.trainer.loop import build_policy, train
+from stepline.trainer.weight_sync import NoWeightSync
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""trainer.claims: the trainer rides out pool outages, and a claim whose answer was lost is given back."""
+"""stepline.trainer.claims: the trainer rides out pool outages, and a claim whose answer was lost is given back."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from datapool import open_pool
-from datapool.base import InvalidRecord, Pool
-from datapool.client import PoolUnavailable
-from datapool.records import CallRecord, Reward, SessionInfo
-from trainer.claims import Claims
+from stepline.datapool import open_pool
+from stepline.datapool.base import InvalidRecord, Pool
+from stepline.datapool.client import PoolUnavailable
+from stepline.datapool.records import CallRecord, Reward, SessionInfo
+from stepline.trainer.claims import Claims
 
 
 class Outage:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from trainer.config import TrainerConfig
+from stepline.trainer.config import TrainerConfig
 
 
 def test_defaults_load(tiny_model_dir: Path) -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.algorithms import (
+from stepline.trainer.algorithms import (
     KL_ESTIMATORS,
     RATIOS,
     clipped_surrogate,

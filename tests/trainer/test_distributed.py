@@ -1,4 +1,4 @@
-"""Data-parallel training (trainer/distributed.py): two gloo ranks on CPU, each forwarding its share of the
+"""Data-parallel training (stepline/trainer/distributed.py): two gloo ranks on CPU, each forwarding its share of the
 groups, give the single-process update on the same batch (parameters to 1e-6) and stay bit-identical."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 import torch
 from trainer_helpers import FakeCall, episode_from_calls
 
-from datapool.records import Group
-from trainer.batch import build_batch
-from trainer.config import TrainerConfig
-from trainer.distributed import Ranks, parameters_digest
-from trainer.loop import build_policy, objective
-from trainer.update import update
+from stepline.datapool.records import Group
+from stepline.trainer.batch import build_batch
+from stepline.trainer.config import TrainerConfig
+from stepline.trainer.distributed import Ranks, parameters_digest
+from stepline.trainer.loop import build_policy, objective
+from stepline.trainer.update import update
 
 # SGD with lr 1: the step is the (clipped) summed gradient itself, so a difference in the gradients shows up at
 # full size (Adam's first step, ±lr·sign(g), would turn float noise in near-zero gradients into full-size steps).

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from trainer_helpers import SamplerSync, toy_target
 
-from datapool import open_pool
-from trainer.config import TrainerConfig
-from trainer.loop import train
+from stepline.datapool import open_pool
+from stepline.trainer.config import TrainerConfig
+from stepline.trainer.loop import train
 
 torch.set_num_threads(1)
 
@@ -85,7 +85,7 @@ def test_online_updates_wait_for_a_full_batch(tiny_model_dir: Path, tmp_path: Pa
 
     from trainer_helpers import rollout
 
-    from trainer.weight_sync import NoWeightSync
+    from stepline.trainer.weight_sync import NoWeightSync
 
     pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}?synchronous=normal")
     model = SamplerSync(tiny_model_dir, pool, None).model
@@ -117,7 +117,7 @@ def test_a_slow_producer_is_waited_for_while_it_runs(tiny_model_dir: Path, tmp_p
 
     from trainer_helpers import rollout
 
-    from trainer.weight_sync import NoWeightSync
+    from stepline.trainer.weight_sync import NoWeightSync
 
     pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}?synchronous=normal")
     model = SamplerSync(tiny_model_dir, pool, None).model
@@ -142,7 +142,7 @@ def test_the_time_bound_ends_a_loop_that_would_wait_forever(tiny_model_dir: Path
     # A producer that never finishes and never delivers keeps the loop waiting; max_seconds ends it.
     import time
 
-    from trainer.weight_sync import NoWeightSync
+    from stepline.trainer.weight_sync import NoWeightSync
 
     pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}?synchronous=normal")
     cfg = TrainerConfig(model_dir=tiny_model_dir, output_dir=tmp_path / "run", groups_per_update=2, max_updates=3,

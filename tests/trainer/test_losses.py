@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.algorithms import AGGREGATIONS, aggregate, clipped_surrogate, count_units, surrogate_stats
+from stepline.trainer.algorithms import AGGREGATIONS, aggregate, clipped_surrogate, count_units, surrogate_stats
 
 torch.set_num_threads(1)
 

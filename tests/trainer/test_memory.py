@@ -1,5 +1,5 @@
-"""The CPU trainer's process settings: glibc keeps freed memory (trainer/memory.py), OpenMP waits passively
-(trainer/__init__.py)."""
+"""The CPU trainer's process settings: glibc keeps freed memory (stepline/trainer/memory.py), OpenMP waits passively
+(stepline/trainer/__init__.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.memory import keep_freed_memory
+from stepline.trainer.memory import keep_freed_memory
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
@@ -17,7 +17,7 @@ def test_mallopt_accepts_the_thresholds() -> None:
 
 
 def test_importing_the_trainer_makes_openmp_wait_passively() -> None:
-    # trainer/__init__.py must run before torch loads libgomp; a subprocess starts without the variable
+    # stepline/trainer/__init__.py must run before torch loads libgomp; a subprocess starts without the variable
     import os
     import subprocess
     import sys

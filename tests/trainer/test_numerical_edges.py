@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from trainer.algorithms import (
+from stepline.trainer.algorithms import (
     AGGREGATIONS,
     aggregate,
     clipped_surrogate,

@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from trainer.algorithms import POLICY_LOSSES, clipped_surrogate, icepop_weights, mis_weights, ppo_loss, sapo_kl_term
+from stepline.trainer.algorithms import (
+    POLICY_LOSSES,
+    clipped_surrogate,
+    icepop_weights,
+    mis_weights,
+    ppo_loss,
+    sapo_kl_term,
+)
 
 torch.set_num_threads(1)
 LN = math.log

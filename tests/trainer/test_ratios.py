@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from trainer.algorithms import RATIOS
+from stepline.trainer.algorithms import RATIOS
 
 torch.set_num_threads(1)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.algorithms import dynamic_sampling_mask, has_reward_variance, overlong_penalty
+from stepline.trainer.algorithms import dynamic_sampling_mask, has_reward_variance, overlong_penalty
 
 torch.set_num_threads(1)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.algorithms import (
+from stepline.trainer.algorithms import (
     ADVANTAGES,
     CLIP_RULES,
     POLICY_LOSSES,
@@ -21,7 +21,7 @@ from trainer.algorithms import (
     gapo_clip_high,
     information_gain,
 )
-from trainer.information_gain import gold_probabilities
+from stepline.trainer.information_gain import gold_probabilities
 
 torch.set_num_threads(1)
 LN = math.log

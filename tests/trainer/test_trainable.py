@@ -1,4 +1,4 @@
-"""The speed options (trainer/trainable.py, TrainerConfig): what trains is exactly what the option says, the
+"""The speed options (stepline/trainer/trainable.py, TrainerConfig): what trains is exactly what the option says, the
 engine always gets the full plain model, autocast keeps fp32 weights, and checkpoints resume each of them."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 from test_update import policy_for, toy_groups
 from transformers import AutoModelForCausalLM
 
-from trainer.batch import build_batch
-from trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.loop import build_policy, objective
-from trainer.update import update
-from trainer.weight_sync import save_weights
+from stepline.trainer.batch import build_batch
+from stepline.trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from stepline.trainer.loop import build_policy, objective
+from stepline.trainer.update import update
+from stepline.trainer.weight_sync import save_weights
 
 torch.set_num_threads(1)
 

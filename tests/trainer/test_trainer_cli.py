@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from trainer_helpers import rollout, toy_target
 from transformers import AutoModelForCausalLM
 
-from datapool import open_pool
 from stepline.cli import main
+from stepline.datapool import open_pool
 
 torch.set_num_threads(1)
 

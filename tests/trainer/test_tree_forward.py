@@ -9,7 +9,7 @@ import torch
 from trainer_helpers import FakeCall, episode_from_calls, sample
 from transformers import AutoModelForCausalLM
 
-from trainer.tree_forward import forest_forward, naive_logprobs, pack_forest
+from stepline.trainer.tree_forward import forest_forward, naive_logprobs, pack_forest
 
 torch.set_num_threads(1)
 
@@ -96,8 +96,8 @@ def test_fresh_policy_matches_the_builtin_engine_through_the_pool(tiny_model_dir
     import httpx
     import numpy as np
 
-    from datapool import open_pool
-    from datapool.records import CallRecord, Reward, SessionInfo
+    from stepline.datapool import open_pool
+    from stepline.datapool.records import CallRecord, Reward, SessionInfo
     from stepline.engine.testing import running_engine
 
     pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")

@@ -11,11 +11,11 @@ import pytest
 import torch
 from trainer_helpers import FakeCall, episode_from_calls
 
-from datapool.records import EpisodeData, Group
-from trainer.batch import build_batch, token_view
-from trainer.config import TrainerConfig
-from trainer.loop import build_policy, objective
-from trainer.update import Objective, update
+from stepline.datapool.records import EpisodeData, Group
+from stepline.trainer.batch import build_batch, token_view
+from stepline.trainer.config import TrainerConfig
+from stepline.trainer.loop import build_policy, objective
+from stepline.trainer.update import Objective, update
 
 torch.set_num_threads(1)
 
@@ -160,7 +160,7 @@ def test_objective_defaults_match_the_config() -> None:
 
 
 def test_eval_and_flat_groups_are_filtered(tiny_model_dir: Path) -> None:
-    from trainer.loop import group_filter
+    from stepline.trainer.loop import group_filter
 
     varied, flat_group, evaluation = toy_groups(3)
     for ep in flat_group.episodes:
@@ -223,7 +223,7 @@ def test_capo_trains_the_critic_on_td_targets(tiny_model_dir: Path, tmp_path: Pa
 
 
 def test_igpo_reads_the_gold_answer_from_session_metadata(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from trainer.information_gain import reference_ids
+    from stepline.trainer.information_gain import reference_ids
 
     groups = toy_groups(1)
     for ep in groups[0].episodes:
@@ -241,7 +241,7 @@ def test_igpo_reads_the_gold_answer_from_session_metadata(tiny_model_dir: Path, 
 
 @pytest.mark.parametrize("count_abandoned", [True, False])
 def test_count_abandoned_decides_whether_an_abandoned_episode_trains(tiny_model_dir: Path, count_abandoned: bool) -> None:
-    from trainer.loop import episode_filter
+    from stepline.trainer.loop import episode_filter
 
     (group,) = toy_groups(1)  # 4 episodes, each with a terminal reward
     group.episodes[1].info.status = "abandoned"  # ended by the gateway's idle reaper
@@ -280,7 +280,7 @@ def test_fork_links_reach_tree_grpo(tiny_model_dir: Path, tmp_path: Path) -> Non
 
 
 def test_self_imitation_trains_groups_that_all_succeeded(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from trainer.loop import group_filter
+    from stepline.trainer.loop import group_filter
 
     (solved,) = toy_groups(1)
     for ep in solved.episodes:
@@ -298,7 +298,7 @@ def test_self_imitation_trains_groups_that_all_succeeded(tiny_model_dir: Path, t
 
 
 def test_negative_reinforcement_trains_groups_that_all_failed(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from trainer.loop import group_filter
+    from stepline.trainer.loop import group_filter
 
     (failed,) = toy_groups(1)
     for ep in failed.episodes:

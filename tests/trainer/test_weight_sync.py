@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainer.weight_sync import GatewayWeightSync, RecordingWeightSync, WeightSyncError, save_weights
+from stepline.trainer.weight_sync import GatewayWeightSync, RecordingWeightSync, WeightSyncError, save_weights
 
 torch.set_num_threads(1)
 

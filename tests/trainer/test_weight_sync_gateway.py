@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from datapool import open_pool
-from gateway.cli import running_gateway
-from gateway.config import GatewaySettings
+from stepline.datapool import open_pool
 from stepline.engine.testing import running_engine
-from trainer.weight_sync import GatewayWeightSync, WeightSyncError, save_weights
+from stepline.gateway.cli import running_gateway
+from stepline.gateway.config import GatewaySettings
+from stepline.trainer.weight_sync import GatewayWeightSync, WeightSyncError, save_weights
 
 torch.set_num_threads(1)
 

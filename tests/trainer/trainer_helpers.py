@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from datapool.records import EpisodeData, Node, Reward, SessionInfo, SessionTree, Step, Trajectory
+from stepline.datapool.records import EpisodeData, Node, Reward, SessionInfo, SessionTree, Step, Trajectory
 
 
 @dataclass
@@ -174,7 +174,7 @@ def rollout(model, pool, version: int, target: torch.Tensor, *, tasks: int = 4, 
             tokens: int = 6, temperature: float = 1.0, seed: int = 0, tag: str = "") -> list[float]:
     """Two-turn sessions sampled in-process, written to the pool as the gateway would (CallRecords, reward,
     end). Reward = fraction of sampled tokens in `target`. Returns the rewards."""
-    from datapool.records import CallRecord, Reward, SessionInfo
+    from stepline.datapool.records import CallRecord, Reward, SessionInfo
 
     g = torch.Generator().manual_seed(seed * 1000 + version)
     rewards = []

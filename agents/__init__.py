@@ -1,1 +1,0 @@
-"""Agent harnesses: separate programs that reach Stepline only over HTTP (see agents/README.md)."""

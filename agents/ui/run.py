@@ -1,9 +1,0 @@
-"""python -m agents.ui.run --task ID --out DIR [--max-turns K] [--expert]  ->  DIR/episode.json."""
-
-from agents.common import run_command
-from agents.ui.harness import MAX_TURNS, NAME, known, play
-
-main = run_command(NAME, play, known, MAX_TURNS)
-
-if __name__ == "__main__":
-    main()

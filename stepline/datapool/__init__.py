@@ -1,0 +1,77 @@
+"""The data pool: sessions as radix trees of tokens, rewards, groups; embedded or as a service.
+
+    from stepline.datapool import open_pool
+    pool = open_pool("sqlite:///pool.db")      # or postgresql://…, http://host:port, or an export file
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, urlsplit
+
+from stepline.datapool.base import InvalidRecord, Pool, PoolError, ReadOnlyPool, UnknownSession
+
+if TYPE_CHECKING:
+    from stepline.datapool.sql import SqlPool
+
+__all__ = ["open_pool", "replay_pool", "Pool", "PoolError", "InvalidRecord", "UnknownSession", "ReadOnlyPool"]
+
+
+def open_pool(url: str, read_only: bool = False) -> Pool:
+    """Open a pool by URL.
+
+    - `sqlite:///relative.db`, `sqlite:////absolute.db` (SQLAlchemy's convention), `?synchronous=normal`
+      to trade power-loss durability for speed; `sqlite:///:memory:` for a throwaway pool;
+    - `postgresql://user@host:port/db[?schema=NAME]`;
+    - `http://host:port`: the pool service (`stepline pool serve`);
+    - a path to a SQLite pool database (opened as `sqlite:///` of it);
+    - a path to an export file (`stepline pool export`): loaded in memory, read-only (claims allowed,
+      not persisted).
+    """
+    if url.startswith("sqlite://"):
+        from stepline.datapool.sqlite import SqlitePool
+
+        parts = urlsplit(url)
+        path = url[len("sqlite:///"):].split("?", 1)[0]
+        options = dict(parse_qsl(parts.query))
+        return SqlitePool(path or ":memory:", read_only=read_only, synchronous=options.get("synchronous", "FULL"))
+    if url.startswith(("postgresql://", "postgres://")):
+        from stepline.datapool.postgres import PostgresPool
+
+        return PostgresPool(url, read_only=read_only)
+    if url.startswith(("http://", "https://")):
+        from stepline.datapool.client import PoolClient
+
+        return PoolClient(url, read_only=read_only)
+    if os.path.isfile(url):
+        from stepline.datapool.sqlite import is_sqlite_file
+
+        if is_sqlite_file(url):  # a pool database named by its path, as `stepline run` prints it
+            return open_pool(f"sqlite:///{os.path.abspath(url)}", read_only=read_only)
+        from stepline.datapool.export import load_export
+
+        return load_export(url)
+    raise PoolError(f"cannot open pool {url!r}: expected sqlite:///…, postgresql://…, http://… or an export file")
+
+
+def replay_pool(pool_file: Path, work_dir: Path) -> SqlPool:
+    """The pool an offline replay trains from, leaving `pool_file` untouched. A SQLite pool is copied once into
+    work_dir/replay-pool.db: a restarted replay continues on that copy, and a fresh copy hands every group out
+    again (the stored run consumed them). An export file is loaded in memory, every group handed out."""
+    from stepline.datapool.export import load_export
+    from stepline.datapool.sqlite import SqlitePool, copy_database, is_sqlite_file
+
+    if not is_sqlite_file(pool_file):
+        export = load_export(pool_file)
+        export.reset_claims()  # held in memory only
+        return export
+    copy = Path(work_dir) / "replay-pool.db"
+    fresh = not copy.exists()
+    if fresh:
+        copy_database(pool_file, copy)
+    pool = SqlitePool(str(copy.resolve()))
+    if fresh:
+        pool.reset_claims()
+    return pool

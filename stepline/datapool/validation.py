@@ -1,0 +1,76 @@
+"""Checks that refuse self-contradictory records before anything is written (pure)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from stepline.datapool.base import InvalidRecord
+from stepline.datapool.records import FORK_KEY, PURPOSES, CallRecord, Reward, SessionInfo
+
+INT32_MAX = 2**31 - 1
+SESSION_STATUSES = ("open", "completed", "failed", "aborted", "abandoned")
+END_STATUSES = ("completed", "failed", "aborted", "abandoned")  # abandoned: ended by the idle reaper
+
+
+def token_ids(values: object, what: str) -> np.ndarray:
+    """An int32 array of token ids, or InvalidRecord naming `what`."""
+    arr = np.asarray(values)
+    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidRecord(f"{what} must be a 1-D array of integer token ids, got {arr.dtype} {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > INT32_MAX):
+        raise InvalidRecord(f"{what} has ids out of range [0, {INT32_MAX}]: min {arr.min()}, max {arr.max()}")
+    return arr.astype(np.int32, copy=False)
+
+
+def check_call(r: CallRecord) -> CallRecord:
+    """The record with normalised arrays (int32 ids, float32 logprobs), or InvalidRecord."""
+    where = f"call {r.call_index} of session {r.session_id!r}"
+    if not isinstance(r.session_id, str) or not r.session_id:
+        raise InvalidRecord(f"{where}: session_id must be a non-empty string")
+    if not isinstance(r.call_index, int) or r.call_index < 0:
+        raise InvalidRecord(f"{where}: call_index must be an integer >= 0")
+    if not isinstance(r.weight_version, int) or r.weight_version < 0:
+        raise InvalidRecord(f"{where}: weight_version must be an integer >= 0, got {r.weight_version!r}")
+    prompt = token_ids(r.prompt_ids, f"{where}: prompt_ids")
+    output = token_ids(r.output_ids, f"{where}: output_ids")
+    logprobs = np.asarray(r.output_logprobs, dtype=np.float32)
+    if logprobs.shape != output.shape:
+        raise InvalidRecord(f"{where}: {logprobs.size} logprobs for {output.size} output tokens")
+    if logprobs.size and not (np.isfinite(logprobs).all() and float(logprobs.max()) <= 1e-3):
+        raise InvalidRecord(f"{where}: logprobs must be finite and <= 0")
+    return CallRecord(**{**r.__dict__, "prompt_ids": prompt, "output_ids": output, "output_logprobs": logprobs})
+
+
+def check_reward(r: Reward) -> None:
+    if not isinstance(r.value, (int, float)) or not math.isfinite(r.value):
+        raise InvalidRecord(f"reward {r.name!r} of {r.session_id!r}: value must be a finite number")
+    if not isinstance(r.weight, (int, float)) or not math.isfinite(r.weight):
+        raise InvalidRecord(f"reward {r.name!r} of {r.session_id!r}: weight must be a finite number")
+    if r.step is not None and (not isinstance(r.step, int) or r.step < 0):
+        raise InvalidRecord(f"reward {r.name!r} of {r.session_id!r}: step must be a call index >= 0 or None")
+    if not r.name:
+        raise InvalidRecord(f"reward of {r.session_id!r}: name must be non-empty")
+
+
+def check_session(info: SessionInfo) -> None:
+    for name in ("session_id", "task_id", "harness"):
+        if not isinstance(getattr(info, name), str) or not getattr(info, name):
+            raise InvalidRecord(f"session {info.session_id!r}: {name} must be a non-empty string")
+    if info.status not in SESSION_STATUSES:
+        raise InvalidRecord(f"session {info.session_id!r}: status must be one of {SESSION_STATUSES}")
+    if info.purpose not in PURPOSES:
+        raise InvalidRecord(f"session {info.session_id!r}: purpose must be one of {PURPOSES}, got {info.purpose!r}")
+    link = info.metadata.get(FORK_KEY) if isinstance(info.metadata, dict) else None
+    if link is not None and not (
+        isinstance(link, dict) and set(link) == {"session", "call"} and isinstance(link["session"], str)
+        and link["session"] and isinstance(link["call"], int) and not isinstance(link["call"], bool) and link["call"] >= 0
+    ):
+        raise InvalidRecord(f"session {info.session_id!r}: metadata.{FORK_KEY} must be "
+                            '{"session": <session id>, "call": <call index >= 0>}')
+
+
+def check_end_status(status: str) -> None:
+    if status not in END_STATUSES:
+        raise InvalidRecord(f"end status must be one of {END_STATUSES}, got {status!r}")

@@ -1,0 +1,189 @@
+"""`POST /sessions`, `GET /sessions/<id>`, `POST /sessions/<id>/reward`, `/end` and `/fork`.
+
+Creating a session needs the admin token when one is configured. Reading, rewarding, ending and forking
+one need the session's own key or the admin token (a key of another session → 403); with no admin token
+configured, a request without a key is accepted. Each write answers once the pool has committed it.
+A fork (stepline/gateway/forks.py) is a new session of the same task, harness and group that replays the source's
+calls before `call` and samples from there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from stepline.datapool.base import PoolError, UnknownSession
+from stepline.datapool.records import FORK_KEY, Purpose, Reward
+from stepline.gateway.forks import Replay, recorded_prefix
+from stepline.gateway.frontends.errors import ApiError, from_validation
+from stepline.gateway.frontends.pipeline import Core
+from stepline.gateway.sessions import Session, admin_allowed, bearer_key, is_admin_key
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class NewSession(_Body):
+    task_id: str = Field(min_length=1, max_length=1024)
+    harness: str = Field(min_length=1, max_length=256)
+    group_id: str | None = Field(None, max_length=1024)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    purpose: Purpose = Field("train", description="train | eval (never trained on) | demo (expert demonstrations)")
+    sampling: SessionSampling | None = None
+
+
+class SessionSampling(_Body):
+    """What the runner fixes for every call of a session, whatever the harness asks: the exploration temperature
+    of training rollouts, greedy decoding for an evaluation (verl's rollout vs val_kwargs). Unset: the request's."""
+
+    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1: no top-k cut")
+
+
+class ForkBody(_Body):
+    call: int = Field(ge=0, description="the call the fork samples anew: calls 0..call-1 are the source's")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="added to the source's metadata")
+
+
+class RewardBody(_Body):
+    value: float
+    step: int | None = Field(None, ge=0)
+    name: str = Field("outcome", min_length=1, max_length=256)
+    weight: float = 1.0
+
+    @field_validator("value", "weight")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+
+class EndBody(_Body):
+    status: Literal["completed", "failed", "aborted"] = "completed"
+
+
+def _parse(model: type[_Body], data: Any) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def _pool_error(exc: PoolError) -> ApiError:
+    return ApiError(404 if isinstance(exc, UnknownSession) else 400, f"pool: {exc}")
+
+
+class SessionRoutes:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.admin_token = core.settings.admin_token
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/sessions", self.create), web.get("/sessions/{session}", self.show),
+                web.post("/sessions/{session}/reward", self.reward), web.post("/sessions/{session}/end", self.end),
+                web.post("/sessions/{session}/fork", self.fork)]
+
+    async def create(self, request: web.Request) -> web.Response:
+        if not admin_allowed(bearer_key(request.headers), self.admin_token):
+            raise ApiError(401, "creating a session needs the admin token (Authorization: Bearer <token>)")
+        _, data = await self.core.read_json(request)
+        body: NewSession = _parse(NewSession, data)
+        if FORK_KEY in body.metadata:
+            raise ApiError(400, f"metadata.{FORK_KEY} is set by POST /sessions/<id>/fork", param=f"metadata.{FORK_KEY}")
+        session = self.core.sessions.new(body.task_id, body.harness, body.group_id, body.metadata, body.purpose)
+        if body.sampling is not None:
+            session.sampling = body.sampling.model_dump(exclude_none=True)
+        return await self._open(request, session)
+
+    async def _open(self, request: web.Request, session: Session) -> web.Response:
+        """Commit a new session to the pool, make it callable and answer its endpoint and key."""
+        try:
+            await self.core.recorder.create_session(session.info)
+        except PoolError as exc:
+            raise _pool_error(exc) from None
+        self.core.sessions.add(session)
+        base = (self.core.settings.public_url or f"{request.scheme}://{request.host}").rstrip("/")
+        sid = session.info.session_id
+        answer = {"session_id": sid, "api_key": session.api_key, "openai_base_url": f"{base}/s/{sid}/v1",
+                  "anthropic_base_url": f"{base}/s/{sid}", FORK_KEY: session.info.metadata.get(FORK_KEY)}
+        return web.Response(status=201, body=orjson.dumps(answer), content_type="application/json")
+
+    async def show(self, request: web.Request) -> web.Response:
+        session = self._owned(request)
+        info = session.info
+        answer = {"session_id": info.session_id, "task_id": info.task_id, "harness": info.harness,
+                  "group_id": info.group_id, "purpose": info.purpose, "calls": session.next_call, "ended": session.ended,
+                  FORK_KEY: info.metadata.get(FORK_KEY)}
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    async def fork(self, request: web.Request) -> web.Response:
+        source = self._owned(request)
+        _, data = await self.core.read_json(request)
+        body: ForkBody = _parse(ForkBody, data)
+        sid, info = source.info.session_id, source.info
+        if body.call >= source.next_call:
+            raise ApiError(400, f"call {body.call} is not a call of session {sid} (it has {source.next_call})",
+                           param="call")
+        if FORK_KEY in body.metadata:
+            raise ApiError(400, f"metadata.{FORK_KEY} is the fork's link, set by the gateway", param=f"metadata.{FORK_KEY}")
+        try:  # after every call of the source queued before (the recorder reads in order)
+            calls = await self.core.recorder.read(lambda pool: recorded_prefix(pool, sid, body.call))
+        except PoolError as exc:
+            raise _pool_error(exc) from None
+        metadata = {**info.metadata, **body.metadata, FORK_KEY: {"session": sid, "call": body.call}}
+        session = self.core.sessions.new(info.task_id, info.harness, info.group_id, metadata, info.purpose)
+        template = self.core.template
+        session.replay = Replay(calls, template.stop_token_ids, template.decode)
+        session.sampling = dict(source.sampling)  # a branch samples as its trunk did
+        return await self._open(request, session)
+
+    def _owned(self, request: web.Request) -> Session:
+        """The session in the URL, if the caller may act on it."""
+        sid = request.match_info["session"]
+        session = self.core.sessions.get(sid)
+        if session is None:
+            raise ApiError(404, f"unknown session {sid!r}")
+        key = bearer_key(request.headers)
+        if is_admin_key(key, self.admin_token):
+            return session
+        if key is not None and key != session.api_key:
+            raise ApiError(403, "this key may not act on this session")
+        if key is None and self.admin_token is not None:
+            raise ApiError(401, "send the session's API key or the admin token")
+        return session
+
+    async def reward(self, request: web.Request) -> web.Response:
+        session = self._owned(request)
+        _, data = await self.core.read_json(request)
+        body: RewardBody = _parse(RewardBody, data)
+        if body.step is not None and body.step >= session.next_call:
+            raise ApiError(400, f"step {body.step} is not a call of this session (it has {session.next_call})",
+                           param="step")
+        reward = Reward(session.info.session_id, body.value, body.step, body.name, body.weight, time.time())
+        try:
+            await self.core.recorder.add_reward(reward)
+        except PoolError as exc:
+            raise _pool_error(exc) from None
+        return web.Response(body=orjson.dumps({"ok": True}), content_type="application/json")
+
+    async def end(self, request: web.Request) -> web.Response:
+        session = self._owned(request)
+        _, data = await self.core.read_json(request, empty_ok=True)
+        body: EndBody = _parse(EndBody, data)
+        if session.ended:
+            raise ApiError(409, f"session {session.info.session_id} has already ended")
+        self.core.sessions.end(session)  # first, so no new call slips in while the pool commits
+        try:
+            await self.core.recorder.end_session(session.info.session_id, body.status)
+        except PoolError as exc:
+            raise _pool_error(exc) from None
+        self.core.router.forget(session.info.session_id)
+        return web.Response(body=orjson.dumps({"ok": True, "status": body.status}), content_type="application/json")

@@ -1,0 +1,532 @@
+"""What the gateway records of its calls: the records it hands to the pool, and its Prometheus metrics.
+
+## Metrics
+
+`GatewayMetrics`: one gateway app's Prometheus metrics, on its own registry, and its `GET /metrics`
+route (two gateways in one process count apart). The pipeline calls `observe_call` once per finished
+model call and `observe_error` per error answer; what the recorder below and the weight gate
+(stepline/gateway/fleet.py) count is their own state, read at scrape time.
+
+## The recorder
+
+It hands records to the pool in FIFO order, batched, from one worker thread.
+
+Calls are queued without blocking (the answer to the harness never waits on the pool); session
+creation, rewards and ends go through the same queue, so they are ordered after every call queued
+before them, and their caller waits until the pool has committed them. Consecutive calls are written
+with one `pool.add_calls` per batch.
+
+Failure policy:
+- the pool refuses a record as invalid (`PoolError`: InvalidRecord, UnknownSession, ReadOnlyPool):
+  a batch is retried record by record so only the bad ones are refused; a refused call is counted and
+  logged (never silently dropped); a refused session / reward / end raises in its waiting caller.
+- the pool is unavailable for now (`stepline.datapool.base.is_unavailable`: the service unreachable, the database
+  locked, a lost connection): the batch stays at the head of the queue and is retried with exponential
+  backoff capped at `max_backoff` s. The queue keeps filling meanwhile; `has_capacity()` turns False at
+  `max_queue`, and the app answers 503.
+- anything else (a bug, a refused token): the recorder stops loudly. The error is logged with its
+  traceback, waiting callers get it, `failure` holds it, `has_capacity()` turns False (the app answers
+  503) and the queued records stay unwritten (counted at close): an error is never retried as an outage.
+
+With a spill file (stepline.gateway.spill), nothing acknowledged is lost: `record_call` returns a future that
+resolves once the call is durable, committed by the pool or fsync'd in the spill file, and the app
+answers the harness only then. An outage spills every pending call (and, while it lasts, each new
+one as it arrives; a failure that stops the recorder spills them too); they stay queued and are retried; the file is truncated once they are all
+in the pool, and read back (replayed first) at the next start. At shutdown a failing pool is not
+waited for: the queue is already spilled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import zstandard
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from typing_extensions import TypedDict, Unpack
+
+from stepline.datapool.base import Pool, PoolError, is_unavailable
+from stepline.datapool.records import CallRecord, Reward, SessionInfo
+from stepline.gateway.spill import Spill
+
+if TYPE_CHECKING:
+    from stepline.gateway.fleet import EngineRouter, WeightGate
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+# --- metrics ---
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class CallSizes(TypedDict, total=False):
+    """What one call moved: its prompt and completion tokens, and (streamed) the time to its first token."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    first_token_seconds: float | None
+
+
+class GatewayMetrics:
+    """One gateway app's Prometheus metrics, on a registry of its own (two gateways in one process
+    count apart). The pipeline pushes each call and error answer; the state of the parts (the weight
+    gate's version, calls in flight and updates, the recorder's queue and counts, engine health) is read
+    from them when `/metrics` is scraped."""
+
+    def __init__(self, router: EngineRouter, recorder: Recorder, gate: WeightGate) -> None:
+        self.registry = CollectorRegistry()
+        self.calls = Counter("stepline_gateway_calls", "Model calls served", ["api", "finish_reason"],
+                             registry=self.registry)
+        self.errors = Counter("stepline_gateway_errors", "Requests answered with an error", ["api", "status"],
+                              registry=self.registry)
+        self.latency = Histogram("stepline_gateway_call_seconds", "Call latency, received to answered",
+                                 ["api", "stream"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.first_token = Histogram("stepline_gateway_first_token_seconds", "Time to the first streamed token",
+                                     ["api"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tokens = Counter("stepline_gateway_tokens", "Tokens through the gateway", ["kind"],  # prompt | completion
+                              registry=self.registry)
+        self.registry.register(_PartsCollector(router, recorder, gate))
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):  # as on the default registry
+            collector(registry=self.registry)
+
+    def observe_call(self, api: str, stream: bool, finish_reason: str, seconds: float,
+                     **sizes: Unpack[CallSizes]) -> None:
+        """Count one finished model call."""
+        self.calls.labels(api, finish_reason).inc()
+        self.latency.labels(api, "true" if stream else "false").observe(seconds)
+        self.tokens.labels("prompt").inc(sizes.get("prompt_tokens", 0))
+        self.tokens.labels("completion").inc(sizes.get("completion_tokens", 0))
+        if (first := sizes.get("first_token_seconds")) is not None:
+            self.first_token.labels(api).observe(first)
+
+    def observe_error(self, api: str, status: int) -> None:
+        self.errors.labels(api, str(status)).inc()
+
+    def routes(self) -> list[web.RouteDef]:
+        """`GET /metrics`: this app's registry in the Prometheus text format."""
+
+        async def metrics(request: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        return [web.get("/metrics", metrics)]
+
+
+class _PartsCollector(Collector):
+    """The metrics the gateway's parts keep as their own state, read at scrape time."""
+
+    def __init__(self, router: EngineRouter, recorder: Recorder, gate: WeightGate) -> None:
+        self.router, self.recorder, self.gate = router, recorder, gate
+        self.created = time.time()  # the counters' `_created`, as prometheus_client's own counters have
+
+    def collect(self) -> Iterable[Metric]:
+        gate, recorder, created = self.gate, self.recorder, self.created
+        yield GaugeMetricFamily("stepline_gateway_in_flight", "Model calls being served now", gate.in_flight)
+        yield GaugeMetricFamily("stepline_gateway_weight_version", "Weight version new calls are stamped with",
+                                gate.version)
+        updates = CounterMetricFamily("stepline_gateway_weight_updates", "Weight updates", labels=["result"])
+        for result, count in gate.updates.items():  # ok | failed
+            updates.add_metric([result], count, created=created)
+        yield updates
+        yield GaugeMetricFamily("stepline_gateway_record_queue_depth", "Records waiting for the pool",
+                                recorder.depth())
+        for name, doc, value in (
+            ("records_written", "Call records committed to the pool", recorder.written),
+            ("records_dropped", "Call records the pool refused as invalid (logged)", recorder.dropped),
+            ("pool_errors", "Failed pool writes (retried)", recorder.pool_errors),
+        ):
+            yield CounterMetricFamily(f"stepline_gateway_{name}", doc, value, created=created)
+        engines = GaugeMetricFamily("stepline_gateway_engine_up", "1 when the engine passes its health check",
+                                    labels=["engine"])
+        for url, ok in self.router.healthy.items():
+            engines.add_metric([url], 1 if ok else 0)
+        yield engines
+
+    describe = collect  # the registry checks the names for clashes
+
+
+# --- the recorder ---
+
+
+@dataclass
+class _Item:
+    kind: str  # "call" | "session" | "reward" | "end" | "abandon" | "flush" | "read"
+    payload: Any
+    done: Future[Any] | None = None  # set when the pool has committed it (a call: or when it is spilled)
+    compress: bool = False  # a call whose request/response are still raw JSON: zstd them in the worker
+    spilled: bool = False  # a call already in the spill file
+
+
+class Tuning(TypedDict, total=False):
+    """The recorder's knobs (defaults in `TUNING`)."""
+
+    max_queue: int  # records queued before has_capacity() turns False (the app answers 503)
+    batch_size: int  # calls per pool.add_calls
+    flush_interval: float  # how long a partial batch of calls may wait for company, s
+    max_backoff: float  # the longest wait between retries of an unavailable pool, s
+    close_timeout: float  # how long aclose gives a failing pool before giving up, s
+
+
+TUNING: Tuning = {"max_queue": 10_000, "batch_size": 256, "flush_interval": 0.02, "max_backoff": 5.0,
+                  "close_timeout": 60.0}
+
+
+class Recorder:
+    def __init__(self, pool: Pool, spill: Spill | None = None, **tuning: Unpack[Tuning]) -> None:
+        knobs: Tuning = {**TUNING, **tuning}
+        self.pool = pool
+        self.spill = spill
+        self.max_queue = knobs["max_queue"]
+        self.batch_size = knobs["batch_size"]
+        self.flush_interval = knobs["flush_interval"]
+        self.max_backoff = knobs["max_backoff"]
+        self.close_timeout = knobs["close_timeout"]
+        # The event loop only ever puts into the inbox (a C-level queue: no Python lock to contend for
+        # with the worker); the worker moves items to `_pending` and pops them once written.
+        self._inbox: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # None: wake up, we close
+        self._pending: deque[_Item] = deque()  # worker only
+        self._pending_controls = 0  # non-call items in _pending (worker only)
+        self._spilled = 0  # spilled calls in _pending (worker only); 0: the spill file may be truncated
+        self._closing = False
+        self._deadline = 0.0
+        self._thread: threading.Thread | None = None
+        self._zstd = zstandard.ZstdCompressor(level=3)  # worker thread only (not thread-safe)
+        self.written = 0  # calls committed
+        self.dropped = 0  # calls the pool refused as invalid (each logged)
+        self.pool_errors = 0  # failed writes (each retried)
+        self.failure: BaseException | None = None  # what stopped the worker: not an outage (see above)
+        self.replayed = 0  # calls read back from the spill file at start
+
+    # --- lifecycle ---
+    async def start(self) -> None:
+        if self._thread is not None:  # already running (start may be called by the app and its runner)
+            return
+        if self.spill is not None:  # an earlier run's spilled calls go first, before anything new
+            for record in self.spill.load():
+                self._pending.append(_Item("call", record, spilled=True))
+                self._spilled += 1
+                self.replayed += 1
+            if self.replayed:
+                log.warning("replaying %d calls spilled by an earlier run from %s", self.replayed, self.spill.path)
+        self._thread = threading.Thread(target=self._run, name="recorder", daemon=True)
+        self._thread.start()
+
+    async def aclose(self) -> None:
+        """Write everything queued (giving a failing pool up to `close_timeout` s), then stop."""
+        if self._thread is None:
+            return
+        self._deadline = time.monotonic() + self.close_timeout
+        self._closing = True
+        self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        if self.depth():
+            log.error("recorder closed with %d records the pool never accepted", self.depth())
+        if self.spill is not None:
+            self.spill.close()
+
+    # --- the app's side ---
+    def depth(self) -> int:
+        """Records queued and not yet committed."""
+        return self._inbox.qsize() + len(self._pending)
+
+    def has_capacity(self) -> bool:
+        return self.failure is None and self.depth() < self.max_queue
+
+    def record_call(self, record: CallRecord, compress: bool = False) -> Future[None] | None:
+        """Queue a call record; never blocks (check `has_capacity()` before dispatching). With a spill
+        file, returns a future set once the call is durable (in the pool or the spill file): answer the
+        harness after it.
+
+        compress=True: `record.request` / `record.response` are raw JSON bytes, and the worker thread
+        zstd-compresses them (as `CallRecord` stores them) off the event loop."""
+        done: Future[None] | None = None if self.spill is None else Future()
+        self._inbox.put(_Item("call", record, done, compress=compress))
+        return done
+
+    async def create_session(self, info: SessionInfo) -> None:
+        await self._submit("session", info)
+
+    async def add_reward(self, reward: Reward) -> None:
+        await self._submit("reward", reward)
+
+    async def end_session(self, session_id: str, status: str) -> None:
+        await self._submit("end", (session_id, status))
+
+    async def abandon_idle(self, idle_seconds: float, keep: list[str] | None = None) -> None:
+        """End as abandoned the pool's open sessions older than idle_seconds but those in `keep` (ordered
+        after every record queued before, so none of their calls is still on its way)."""
+        await self._submit("abandon", (idle_seconds, keep or []))
+
+    async def flush(self) -> None:
+        """Wait until every record queued before this call is in the pool."""
+        await self._submit("flush", None)
+
+    async def read(self, fn: Callable[[Pool], R]) -> R:
+        """`fn(pool)` on the worker thread, after every record queued before it is written (so it reads
+        them); what it raises (a `PoolError`: an unknown session) reaches the caller, an outage is retried."""
+        return await self._submit("read", fn)
+
+    async def _submit(self, kind: str, payload: Any) -> Any:
+        if self._thread is None:
+            raise RuntimeError("Recorder.start() was not called (or it is closed)")
+        if self.failure is not None:
+            raise RuntimeError(f"the recorder stopped: {self.failure!r}") from self.failure
+        done: Future[Any] = Future()
+        self._inbox.put(_Item(kind, payload, done))
+        return await asyncio.wrap_future(done)
+
+    # --- the worker thread ---
+    def _run(self) -> None:
+        backoff = 0.0
+        while (batch := self._next_batch()) is not None:
+            if not batch:
+                continue
+            try:
+                self._write(batch)
+            except Exception as exc:
+                if not is_unavailable(exc):  # a bug or a refusal, not an outage: stop, loudly
+                    self._fail(exc)
+                    return
+                self.pool_errors += 1  # the pool is down: keep the batch, back off, retry
+                backoff = min(self.max_backoff, max(0.05, backoff * 2))
+                log.warning("pool write failed (%r); %d records queued, retry in %.2f s", exc, self.depth(), backoff)
+                self._spill_pending()
+                if self._closing and (self.spill is not None or time.monotonic() > self._deadline):
+                    self._give_up(exc)
+                    return
+                self._wait(backoff)
+            else:
+                backoff = 0.0
+                if self.spill is not None and not self._spilled and self.spill.size():
+                    self.spill.clear()  # every spilled call is in the pool
+
+    def _wait(self, seconds: float) -> None:
+        """Back off; with a spill file, spill each call arriving meanwhile (its harness is waiting)."""
+        if self.spill is None:
+            time.sleep(seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                if not self._take(self._inbox.get(timeout=remaining)):
+                    return  # closing
+            except queue.Empty:
+                return
+            self._spill_pending()
+
+    def _spill_pending(self) -> None:
+        """Append every pending call not yet spilled to the spill file (fsync'd); they become durable."""
+        if self.spill is None:
+            return
+        items = [item for item in self._pending if item.kind == "call" and not item.spilled]
+        if not items:
+            return
+        for item in items:
+            _compress_item(self._zstd, item)
+        try:
+            self.spill.append([item.payload for item in items])
+        except OSError as exc:  # the disk failed too: the harness gets its answer, and we say so
+            log.error("cannot write the spill file %s (%r): %d calls only in memory", self.spill.path, exc, len(items))
+            return
+        for item in items:
+            item.spilled = True
+            _resolve(item.done, None)
+        self._spilled += len(items)
+
+    def _take(self, item: _Item | None) -> bool:
+        """Move an inbox item to _pending; False for the close sentinel."""
+        if item is None:
+            return False
+        self._pending.append(item)
+        if item.kind != "call":
+            self._pending_controls += 1
+        return True
+
+    def _next_batch(self) -> list[_Item] | None:
+        """The items to write next (left pending until written): one control item, or up to
+        `batch_size` consecutive calls. None once closing with nothing left."""
+        if not self._pending and not self._closing:
+            self._take(self._inbox.get())
+        while True:  # everything already in the inbox
+            try:
+                self._take(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        deadline = time.monotonic() + self.flush_interval
+        # a partial batch of calls waits a little for company, unless something waits on it (with a spill
+        # file every call's harness does; batches still form from what arrives during a write)
+        while (
+            self._pending and not self._pending_controls and not self._closing and self.spill is None
+            and len(self._pending) < self.batch_size
+        ):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                self._take(self._inbox.get(timeout=remaining))
+            except queue.Empty:
+                break
+        if not self._pending:
+            return None if self._closing else []
+        head = self._pending[0]
+        if head.kind != "call":
+            return [head]
+        batch: list[_Item] = []
+        for item in self._pending:
+            if item.kind != "call" or len(batch) == self.batch_size:
+                break
+            batch.append(item)
+        return batch
+
+    def _pop(self, n: int) -> None:
+        """Remove n written (or refused) items from the head of the pending queue."""
+        for _ in range(n):
+            item = self._pending.popleft()
+            if item.kind != "call":
+                self._pending_controls -= 1
+                continue
+            self._spilled -= item.spilled
+            _resolve(item.done, None)
+
+    def _write(self, batch: list[_Item]) -> None:
+        """Write the batch, popping what the pool committed or refused; transient errors propagate
+        with the unwritten items still queued."""
+        head = batch[0]
+        if head.kind == "call":
+            for item in batch:
+                _compress_item(self._zstd, item)
+            self._write_calls([item.payload for item in batch])
+            return
+        if head.kind == "read":
+            self._read(head)
+            return
+        try:
+            if head.kind == "session":
+                self.pool.create_session(head.payload)
+            elif head.kind == "reward":
+                self.pool.add_reward(head.payload)
+            elif head.kind == "end":
+                self.pool.end_session(*head.payload)
+            elif head.kind == "abandon":
+                self.pool.abandon_idle(*head.payload)
+        except PoolError as exc:  # refused: the waiting caller gets the error
+            self._pop(1)
+            _resolve(head.done, exc)
+        else:
+            self._pop(1)
+            _resolve(head.done, None)
+
+    def _read(self, head: _Item) -> None:
+        try:
+            result = head.payload(self.pool)
+        except Exception as exc:
+            if is_unavailable(exc):
+                raise  # an outage: retried like a write
+            self._pop(1)
+            _resolve(head.done, exc)  # the reader's own failure, handed to it; the recorder goes on
+            return
+        self._pop(1)
+        if head.done is not None and not head.done.done():
+            head.done.set_result(result)
+
+    def _write_calls(self, records: list[CallRecord]) -> None:
+        try:
+            self.pool.add_calls(records)
+        except PoolError:
+            if len(records) == 1:
+                self._refuse(records[0])
+                return
+        else:
+            self._pop(len(records))
+            self._count_written(len(records))
+            return
+        # one bad record fails the whole (atomic) batch: write one by one to keep the good ones
+        for record in records:
+            try:
+                self.pool.add_calls([record])
+            except PoolError:
+                self._refuse(record)
+            else:
+                self._pop(1)
+                self._count_written(1)
+
+    def _refuse(self, record: CallRecord) -> None:
+        self._pop(1)
+        self.dropped += 1
+        log.error("pool refused call %s/%d as invalid; not recorded", record.session_id, record.call_index)
+
+    def _count_written(self, n: int) -> None:
+        self.written += n
+
+    def _fail(self, exc: Exception) -> None:
+        self.failure = exc
+        self._drain()
+        self._spill_pending()  # the acknowledged calls wait in the spill file for a fixed gateway
+        calls = sum(1 for item in self._pending if item.kind == "call")
+        log.error("recorder stopped: the pool raised %r, which is no outage; %d call records NOT written",
+                  exc, calls, exc_info=exc)
+        for item in self._pending:
+            _resolve(item.done, exc)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._take(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+
+    def _give_up(self, exc: Exception) -> None:
+        self._drain()
+        self._spill_pending()
+        lost = list(self._pending)
+        spilled = sum(1 for item in lost if item.spilled)
+        calls = sum(1 for item in lost if item.kind == "call") - spilled
+        if spilled:
+            log.warning("pool unavailable at shutdown (%r): %d calls kept in the spill file %s, written at the "
+                        "next start", exc, spilled, self.spill.path if self.spill else None)
+        if calls:
+            log.error("pool unavailable at shutdown (%r): %d call records NOT written", exc, calls)
+        for item in lost:
+            _resolve(item.done, exc)
+
+
+def _compress_item(zstd: zstandard.ZstdCompressor, item: _Item) -> None:
+    """zstd a call's raw request/answer once (a batch retried after an outage is already compressed)."""
+    if item.compress:
+        item.payload.request = _compress(zstd, item.payload.request)
+        item.payload.response = _compress(zstd, item.payload.response)
+        item.compress = False
+
+
+def _compress(zstd: zstandard.ZstdCompressor, data: bytes | None) -> bytes | None:
+    return None if data is None else zstd.compress(data)
+
+
+def _resolve(done: Future[Any] | None, exc: BaseException | None) -> None:
+    if done is None or done.done():  # done: the waiting caller gave up (cancelled)
+        return
+    if exc is None:
+        done.set_result(None)
+    else:
+        done.set_exception(exc)

@@ -1,0 +1,61 @@
+"""Expert demonstrations for the SFT warm start, the rollout side: play each harness's scripted expert.
+
+Each harness's `--expert` mode plays a scripted solver through the same tools and writes the
+conversation it would have had with a model (`episode.json`: `messages` and `tools`, in the harness's
+own API format), which the harness's verifier scores. `expert_episodes` runs them (a seeded sample of
+each harness's train split); the composition root (`stepline/launch/demos.py`) turns them into pool sessions,
+token for token as the gateway would have recorded them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from stepline.rollout.config import HarnessSpec, list_tasks
+from stepline.rollout.driver import parse_verdict
+
+__all__ = ["Demonstration", "expert_episodes"]
+
+# (harness spec, task id, (episode.json contents, verifier reward) or None where the expert failed)
+Demonstration = tuple[HarnessSpec, str, tuple[dict[str, Any], float] | None]
+
+
+async def _expert_episode(spec: HarnessSpec, task_id: str, work: Path) -> tuple[dict[str, Any], float] | None:
+    """Run the harness's scripted expert on a task and score it with the harness's verifier."""
+    out = work / f"{spec.name}-{task_id}"
+    run = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", f"{spec.module}.run", "--task", task_id, "--out", str(out), "--expert",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    if await run.wait() != 0:
+        return None
+    verify = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", f"{spec.module}.verify", "--task", task_id, "--out", str(out),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    stdout, _ = await verify.communicate()
+    reward, _success, _reason = parse_verdict(stdout.decode())
+    return json.loads((out / "episode.json").read_text()), reward
+
+
+async def expert_episodes(specs: list[HarnessSpec], per_harness: int, concurrency: int, work: Path,
+                          seed: int, counts: Mapping[str, int] | None = None) -> list[Demonstration]:
+    """`per_harness` expert episodes of each module harness (`counts[name]` where given), a seeded sample of
+    its train split, at most `concurrency` at a time, played under `work`."""
+    gate = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed)
+
+    async def one(spec: HarnessSpec, task_id: str) -> Demonstration:
+        async with gate:
+            return spec, task_id, await _expert_episode(spec, task_id, work)
+
+    jobs = []
+    for spec in specs:  # a seeded sample of the train split: task lists are ordered by kind and entity
+        tasks = await asyncio.to_thread(list_tasks, spec, "train")
+        wanted = (counts or {}).get(spec.name, per_harness)
+        jobs += [one(spec, task) for task in rng.sample(tasks, min(wanted, len(tasks)))]
+    return list(await asyncio.gather(*jobs))

@@ -1,0 +1,455 @@
+"""The rollout driver: runs harness episodes against the gateway, one session per episode.
+
+For each drawn task it opens G sessions (one group, an explicit group id, so GRPO baselines stay
+per task × harness; a harness with `tree_search` grows the group as trees of forked sessions instead,
+stepline/rollout/trees.py; a task's gold answer, where the harness gives one, goes into every session's
+metadata["reference"]), plays the harness once per session with that session's endpoint, kills it at
+the episode timeout (its whole process group), runs the verifier, posts the reward and ends the
+session. A harness that crashes, hangs or exits non-zero ends as a *failed* episode with a reason
+(reward `failed_reward`, or none if not `score_failed`); a verifier that throws or prints garbage
+scores 0 and the reason is logged; the job goes on either way.
+
+Two ways to play an episode:
+
+- a module harness with `persistent` (the default) is played by its long-lived worker
+  (`python -m <module>.serve`, stepline/rollout/worker.py): one warm process per module forks a child
+  per episode, which runs `run` and `verify`'s code in-process, so no episode pays an interpreter
+  start or the SDK import. A worker that dies or hangs fails its episodes in flight and is restarted.
+- otherwise (an external `command`, `persistent = false`, or a module without `serve`) one `run`
+  process and one `verify` process per episode, as below.
+
+Episodes get (harness processes in their environment, worker children in theirs):
+OPENAI_BASE_URL/OPENAI_API_KEY, ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY, STEPLINE_SESSION_ID,
+STEPLINE_TASK_ID, STEPLINE_OUT_DIR (their own directory) and STEPLINE_REWARD_URL (POST {"value": x}
+there with the session key as Bearer, for harnesses without a verifier).
+
+    async with GatewayClient(url, token) as gw, RolloutDriver(config, gw, work_dir) as driver:
+        stats = await driver.run(num_groups=32)          # or run(None, stop=event) until stopped
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from stepline.datapool.records import REFERENCE_KEY, Purpose
+from stepline.rollout import trees
+from stepline.rollout import worker as rollout_worker
+from stepline.rollout.client import GatewayClient, GatewayError, SessionHandle
+from stepline.rollout.config import HarnessSpec, RolloutConfig, list_tasks, task_references
+from stepline.rollout.worker import HarnessWorker, WorkerError, WorkerMissing
+
+__all__ = ["EpisodeResult", "HarnessStats", "RolloutDriver", "format_stats", "run_rollouts"]
+
+log = logging.getLogger("stepline.rollout")
+TAIL = 400  # bytes of a process's output quoted in a failure reason
+SESSION_KEYS = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY")
+Scored = tuple[Literal["completed", "failed"], float | None, bool, str]  # status, reward, success, reason
+
+
+@dataclass
+class EpisodeResult:
+    harness: str
+    task_id: str
+    session_id: str | None  # None when no session could be opened
+    status: Literal["completed", "failed"]
+    reward: float | None  # None: the harness posts its own (no verifier)
+    success: bool
+    reason: str
+    attempt: int = 0  # 0 for the first try, 1.. for retries of a failed episode
+    seconds: float = 0.0
+
+
+@dataclass
+class HarnessStats:
+    episodes: int = 0
+    successes: int = 0
+    failed: int = 0
+    reward_sum: float = 0.0
+    rewarded: int = 0  # episodes whose reward the driver knows
+
+    def add(self, result: EpisodeResult) -> None:
+        self.episodes += 1
+        self.successes += result.success
+        self.failed += result.status == "failed"
+        if result.reward is not None:
+            self.reward_sum += result.reward
+            self.rewarded += 1
+
+    def summary(self, elapsed_s: float) -> dict[str, float]:
+        return {
+            "episodes": self.episodes, "failed": self.failed,
+            "success_rate": self.successes / self.episodes if self.episodes else 0.0,
+            "mean_reward": self.reward_sum / self.rewarded if self.rewarded else 0.0,
+            "episodes_per_s": self.episodes / elapsed_s if elapsed_s > 0 else 0.0,
+        }
+
+
+@dataclass
+class _Outcome:
+    returncode: int | None  # None: killed at the timeout
+    stdout: str  # tail
+    stderr: str  # tail
+
+
+@dataclass
+class _Played:
+    """How playing went: `failure` says why the episode failed; `verdict` is the worker's verifier's."""
+
+    failure: str | None = None
+    verdict: tuple[float, bool, str] | None = None
+
+
+async def run_process(argv: list[str], env: Mapping[str, str], cwd: Path, timeout: float, logs: Path) -> _Outcome:
+    """Run argv in a new session with output to logs.{stdout,stderr}; SIGKILL the whole group at the
+    timeout, and after exit too, so that nothing the process started outlives it."""
+    with open(f"{logs}.stdout", "wb") as out, open(f"{logs}.stderr", "wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=dict(env), cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
+            start_new_session=True,
+        )
+        code: int | None = None
+        try:
+            async with asyncio.timeout(timeout):  # unlike wait_for on 3.11, never swallows a cancellation (Ctrl-C)
+                code = await proc.wait()
+        except TimeoutError:
+            pass
+        finally:
+            _kill_group(proc.pid)
+            await proc.wait()
+    return _Outcome(code, _tail(Path(f"{logs}.stdout")), _tail(Path(f"{logs}.stderr")))
+
+
+def parse_verdict(stdout: str) -> tuple[float, bool, str]:
+    """(reward, success, reason) from a verifier's last stdout line: {"reward": x, "success"?, "reason"?}."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("verifier printed nothing")
+    return verdict_of(json.loads(lines[-1]))
+
+
+def verdict_of(data: Any) -> tuple[float, bool, str]:
+    """(reward, success, reason) from a verdict object {"reward": x, "success"?, "reason"?}."""
+    reward = data["reward"] if isinstance(data, dict) else None
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise ValueError(f"no finite numeric reward in {str(data)[:120]!r}")
+    return float(reward), bool(data.get("success", reward >= 1.0)), str(data.get("reason", ""))
+
+
+class RolloutDriver:
+    """Runs groups of episodes of the configured harnesses through one gateway."""
+
+    def __init__(self, config: RolloutConfig, gateway: GatewayClient, work_dir: Path, python: str = sys.executable,
+                 purpose: Purpose = "train"):
+        self.config = config
+        self.purpose = purpose  # of every session it opens (SessionInfo.purpose): the evaluator's driver says "eval"
+        self.gateway = gateway
+        self.work_dir = Path(work_dir)
+        self.python = python
+        self.stats: dict[str, HarnessStats] = {h.name: HarnessStats() for h in config.harnesses}
+        self.results: list[EpisodeResult] = []
+        self.slots = asyncio.Semaphore(config.max_concurrency)
+        self._started = time.monotonic()
+        self._draw: _TaskDraw | None = None
+        self.workers: dict[str, HarnessWorker] = {}  # by module, started on first use
+        self._no_worker: set[str] = set()  # modules without a serve submodule
+        self._references: dict[tuple[str, str], dict[str, str]] = {}  # (harness, split) -> task id -> gold answer
+
+    async def __aenter__(self) -> RolloutDriver:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the harness workers. (Without it they still end: with the driver's thread, via their
+        parent-death signal, or at the end of their stdin.)"""
+        await asyncio.gather(*(worker.close() for worker in self.workers.values()))
+
+    # --- one episode ---
+
+    async def run_episode(self, spec: HarnessSpec, task_id: str, group_id: str | None,
+                          metadata: dict[str, Any] | None = None) -> EpisodeResult:
+        """One episode, retried in a new session (same group) while it fails and retries are left."""
+        for attempt in range(self.config.retries + 1):
+            async with self.slots:
+                result = await self._attempt(spec, task_id, group_id, {**(metadata or {}), "attempt": attempt})
+            result.attempt = attempt
+            self.add_result(spec, result)
+            if result.status == "completed":
+                break
+            log.warning("%s %s failed (attempt %d): %s", spec.name, task_id, attempt, result.reason)
+        return result
+
+    async def _attempt(self, spec: HarnessSpec, task_id: str, group_id: str | None, metadata: dict[str, Any]) -> EpisodeResult:
+        result, _ = await self.played(spec, task_id, lambda: self.open_session(spec, task_id, group_id, metadata))
+        return result
+
+    def open_session(self, spec: HarnessSpec, task_id: str, group_id: str | None,
+                     metadata: dict[str, Any]) -> Awaitable[SessionHandle]:
+        """A session of this driver's purpose, sampled at the configured temperature (if any)."""
+        t = self.config.temperature
+        return self.gateway.open_session(task_id, spec.name, group_id, metadata, self.purpose,
+                                         None if t is None else {"temperature": t})
+
+    async def played(self, spec: HarnessSpec, task_id: str, open_session: Callable[[], Awaitable[SessionHandle]],
+                      end: bool = True) -> tuple[EpisodeResult, SessionHandle | None]:
+        """Open a session, play and score it, post its reward and (if `end`) end it."""
+        started = time.monotonic()
+        try:
+            handle = await open_session()
+        except GatewayError as exc:
+            return EpisodeResult(spec.name, task_id, None, "failed", None, False, f"no session: {exc}"), None
+        out = self.work_dir / handle.session_id
+        out.mkdir(parents=True)
+        try:
+            status, reward, success, reason = await self._play_and_score(spec, task_id, handle, out)
+            reason = await self._report(handle, status, reward, reason, end)
+        finally:
+            if not self.config.keep_episodes:
+                shutil.rmtree(out, ignore_errors=True)
+        result = EpisodeResult(spec.name, task_id, handle.session_id, status, reward, success, reason,
+                               seconds=time.monotonic() - started)
+        return result, handle
+
+    async def _play_and_score(self, spec: HarnessSpec, task_id: str, handle: SessionHandle, out: Path) -> Scored:
+        env = self._episode_env(spec, task_id, handle, out)
+        played = await self._play(spec, task_id, env, out)
+        if played.failure is not None:
+            failed_reward = self.config.failed_reward if self.config.score_failed else None
+            return "failed", failed_reward, False, played.failure
+        if played.verdict is not None:
+            return "completed", *played.verdict
+        return await self._verify_in_process(spec, task_id, env, out)
+
+    async def _play(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> _Played:
+        """In the module's worker when it has one, else in a process of its own."""
+        worker = self._worker(spec)
+        if worker is not None:
+            try:
+                return _from_worker(await worker.episode(self._request(spec, task_id, env, out), self._deadline()))
+            except WorkerMissing as exc:
+                log.warning("harness %s: %s; one process per episode instead", spec.name, exc)
+                self._no_worker.add(worker.module)
+            except WorkerError as exc:
+                return _Played(failure=str(exc))
+        return await self._play_in_process(spec, task_id, env, out)
+
+    async def _play_in_process(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> _Played:
+        played = await run_process(self._run_argv(spec, task_id, out), {**os.environ, **env}, Path.cwd(),
+                                   self.config.episode_timeout_s, out / "harness")
+        if played.returncode is None:
+            return _Played(failure=f"harness timed out after {self.config.episode_timeout_s:g}s")
+        if played.returncode != 0:
+            last = (played.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+            return _Played(failure=f"harness exited with {played.returncode}: {last}")
+        return _Played()
+
+    async def _verify_in_process(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> Scored:
+        argv = self._verify_argv(spec, task_id, out)
+        if argv is None:
+            return "completed", None, False, "reward posted by the harness"
+        checked = await run_process(argv, {**os.environ, **env}, Path.cwd(), self.config.verify_timeout_s, out / "verify")
+        try:
+            if checked.returncode is None:
+                raise ValueError(f"verifier timed out after {self.config.verify_timeout_s:g}s")
+            reward, success, reason = parse_verdict(checked.stdout)
+        except (ValueError, KeyError) as exc:
+            log.warning("verifier of %s %s scored 0: %s (stderr: %s)", spec.name, task_id, exc, checked.stderr[-200:])
+            return "completed", 0.0, False, f"verifier error: {exc}"
+        return "completed", reward, success, reason
+
+    def _worker(self, spec: HarnessSpec) -> HarnessWorker | None:
+        """The module's worker (created on first use), or None where episodes run as processes."""
+        if spec.module is None or not spec.persistent or spec.module in self._no_worker:
+            return None
+        if spec.module not in self.workers:
+            # The worker holds no session's endpoint: each request brings its own (stepline/rollout/worker.py).
+            env = {k: v for k, v in os.environ.items() if k not in SESSION_KEYS and not k.startswith("STEPLINE_")}
+            log_file = self.work_dir / "workers" / f"{spec.module}.stderr"
+            self.workers[spec.module] = HarnessWorker(spec.module, self.python, log_file, env, Path.cwd())
+        return self.workers[spec.module]
+
+    def _request(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> dict[str, Any]:
+        """The worker's request: what `run` would get as options and environment (stepline/agents/common/serve.py)."""
+        request: dict[str, Any] = {
+            "task_id": task_id, "out": str(out / "episode"), "logs": str(out), "max_turns": spec.max_turns,
+            "timeout_s": self.config.episode_timeout_s, "verify_timeout_s": self.config.verify_timeout_s,
+            "verify": spec.verify_command is None, "env": env,
+        }
+        if spec.max_tokens is not None:
+            request["max_tokens"] = spec.max_tokens
+        return request
+
+    def _deadline(self) -> float:
+        """How long an answer may take before the worker is taken for hung: its own two timeouts and a grace."""
+        return self.config.episode_timeout_s + self.config.verify_timeout_s + rollout_worker.GRACE_S
+
+    async def _report(self, handle: SessionHandle, status: str, reward: float | None, reason: str,
+                      end: bool = True) -> str:
+        """Post the reward and end the session; a gateway error is logged and noted in the reason."""
+        try:
+            if reward is not None:
+                await self.gateway.post_reward(handle.session_id, reward)
+            if end:
+                await self.gateway.end_session(handle.session_id, status)
+        except GatewayError as exc:
+            log.error("session %s: %s", handle.session_id, exc)
+            return f"{reason}; gateway: {exc}"
+        return reason
+
+    def _episode_env(self, spec: HarnessSpec, task_id: str, handle: SessionHandle, out: Path) -> dict[str, str]:
+        """The episode's own variables (its session's endpoint and STEPLINE_*), on top of the driver's environment."""
+        return {
+            **handle.env(), "STEPLINE_TASK_ID": task_id, "STEPLINE_HARNESS": spec.name,
+            "STEPLINE_OUT_DIR": str(out), "STEPLINE_REWARD_URL": f"{self.gateway.url}/sessions/{handle.session_id}/reward",
+        }
+
+    def _run_argv(self, spec: HarnessSpec, task_id: str, out: Path) -> list[str]:
+        if spec.command is not None:
+            return ["/bin/sh", "-c", spec.command]
+        turns = ["--max-turns", str(spec.max_turns)] if spec.max_turns else []
+        tokens = ["--max-tokens", str(spec.max_tokens)] if spec.max_tokens else []
+        return [self.python, "-m", f"{spec.module}.run", "--task", task_id, "--out", str(out / "episode"), *turns, *tokens]
+
+    def _verify_argv(self, spec: HarnessSpec, task_id: str, out: Path) -> list[str] | None:
+        if spec.verify_command is not None:
+            return ["/bin/sh", "-c", spec.verify_command]
+        if spec.module is None:
+            return None
+        return [self.python, "-m", f"{spec.module}.verify", "--task", task_id, "--out", str(out / "episode")]
+
+    # --- groups and the job ---
+
+    async def run_group(self, spec: HarnessSpec, task_id: str, group_size: int | None = None,
+                        metadata: dict[str, Any] | None = None, prefix: str = "") -> list[EpisodeResult]:
+        """G episodes of one task, in one explicit group ("<prefix><task>::<harness>::<random>"); with the
+        harness's `tree_search` and no `group_size` given (evaluation gives 1), its trees of forked episodes
+        instead (stepline/rollout/trees.py)."""
+        group_id = f"{prefix}{task_id}::{spec.name}::{uuid.uuid4().hex[:12]}"
+        metadata = metadata or {}
+        metadata = {**metadata, **await self._reference(spec, task_id, metadata.get("split", spec.split))}
+        if spec.tree_search is not None and group_size is None:
+            return await trees.run_tree_group(self, spec, task_id, spec.tree_search, group_id, metadata)
+        size = group_size or spec.group_size or self.config.group_size
+        return list(await asyncio.gather(*(self.run_episode(spec, task_id, group_id, metadata) for _ in range(size))))
+
+    async def _reference(self, spec: HarnessSpec, task_id: str, split: str) -> dict[str, str]:
+        """{"reference": gold answer} where the harness gives one for the task (IGPO), else {}."""
+        if (spec.name, split) not in self._references:
+            self._references[spec.name, split] = await asyncio.to_thread(task_references, spec, split)
+        answer = self._references[spec.name, split].get(task_id)
+        return {} if answer is None else {REFERENCE_KEY: answer}
+
+    def add_result(self, spec: HarnessSpec, result: EpisodeResult) -> None:
+        self.stats[spec.name].add(result)
+        self.results.append(result)
+
+    async def run(self, num_groups: int | None, stop: asyncio.Event | None = None,
+                  metadata: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
+        """Draw (harness by weight, then its next task) and run groups until num_groups are done or
+        `stop` is set; at most max_concurrency episodes run at once; `metadata` goes into every session's.
+        Returns per-harness stats."""
+        if self._draw is None:  # kept across calls: a second run() goes on with the next tasks
+            self._draw = _TaskDraw(self.config, await asyncio.to_thread(_all_tasks, self.config))
+        draw = self._draw
+        in_flight: set[asyncio.Task[list[EpisodeResult]]] = set()
+        width = max(1, self.config.max_concurrency // self.config.group_size) + 1
+        launched = 0
+        while (num_groups is None or launched < num_groups) and not (stop and stop.is_set()):
+            while len(in_flight) >= width:
+                _, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            spec, task_id = draw.next()
+            in_flight.add(asyncio.create_task(self.run_group(spec, task_id, metadata=metadata)))
+            launched += 1
+        if in_flight:
+            await asyncio.wait(in_flight)
+        return self.summary()
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        elapsed = time.monotonic() - self._started
+        return {name: stats.summary(elapsed) for name, stats in self.stats.items()}
+
+
+class _TaskDraw:
+    """Harness by weight (seeded), then that harness's tasks in a shuffled cycle."""
+
+    def __init__(self, config: RolloutConfig, tasks: dict[str, list[str]]):
+        self.rng = random.Random(config.seed)
+        self.specs = config.harnesses
+        self.tasks = tasks
+        self.queues: dict[str, list[str]] = {}
+
+    def next(self) -> tuple[HarnessSpec, str]:
+        spec = self.rng.choices(self.specs, weights=[h.weight for h in self.specs])[0]
+        queue = self.queues.setdefault(spec.name, [])
+        if not queue:
+            queue.extend(self.rng.sample(self.tasks[spec.name], len(self.tasks[spec.name])))
+        return spec, queue.pop()
+
+
+def _from_worker(answer: dict[str, Any]) -> _Played:
+    """A worker's answer (stepline/agents/common/serve.py): {"outcome": "ran"|"failed", "reason", "verdict"}."""
+    if answer.get("outcome") == "failed":
+        return _Played(failure=str(answer.get("reason") or "harness failed"))
+    if answer.get("outcome") != "ran":
+        return _Played(failure=f"harness worker answered garbage: {str(answer)[:200]}")
+    if answer.get("verdict") is None:
+        return _Played()  # the driver runs the external verify_command
+    try:
+        return _Played(verdict=verdict_of(answer["verdict"]))
+    except ValueError as exc:
+        return _Played(verdict=(0.0, False, f"verifier error: {exc}"))
+
+
+def _all_tasks(config: RolloutConfig) -> dict[str, list[str]]:
+    return {spec.name: list_tasks(spec) for spec in config.harnesses}
+
+
+def format_stats(stats: Mapping[str, Mapping[str, float]]) -> str:
+    """One line per harness: episodes, failed, success, mean reward, episodes/s."""
+    rows = [f"{'harness':<12} {'episodes':>8} {'failed':>6} {'success':>8} {'reward':>7} {'ep/s':>6}"]
+    for name, s in stats.items():
+        rows.append(f"{name:<12} {s['episodes']:>8.0f} {s['failed']:>6.0f} {s['success_rate']:>8.3f} "
+                    f"{s['mean_reward']:>7.3f} {s['episodes_per_s']:>6.2f}")
+    return "\n".join(rows)
+
+
+async def run_rollouts(config: RolloutConfig, gateway_url: str, num_groups: int, admin_token: str | None = None,
+                       stop: asyncio.Event | None = None) -> tuple[dict[str, dict[str, float]], list[EpisodeResult]]:
+    """Convenience: open a gateway client and a work dir, run `num_groups` groups, return stats and results."""
+    with tempfile.TemporaryDirectory(prefix="stepline-rollout-", dir=config.work_dir) as work:
+        async with GatewayClient(gateway_url, admin_token) as gateway, RolloutDriver(config, gateway, Path(work)) as driver:
+            stats = await driver.run(num_groups, stop)
+            return stats, driver.results
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - TAIL))
+        return f.read().decode("utf-8", errors="replace")
+
+
+def results_json(results: list[EpisodeResult]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in results]
