@@ -1,6 +1,6 @@
 """The built wheel installs one import package, `stepline`, and lives beside the OpenAI Agents SDK (`agents`).
 
-The wheel is built from this checkout (`pip wheel --no-build-isolation`, the project's own setuptools). The
+The wheel is built from this checkout's tracked files (`pip wheel --no-build-isolation`, the project's own setuptools). The
 side-by-side test installs it into a fresh virtual environment next to `openai-agents` from PyPI, in either
 order, and uninstalls either one; Stepline's own dependencies come from this environment's site-packages
 through a .pth line (the heavy ones, torch included, are not installed twice). Slow: it needs PyPI for
@@ -11,6 +11,7 @@ openai-agents and its dependencies; .ci/run runs it after the suite:
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,9 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
+    """The wheel of the tracked files, built in a copy (a build/ folder left in the checkout could add stale files)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    for name in tracked:
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True, text=True)
+                    str(src)], check=True, capture_output=True, text=True)
     (built,) = out.glob("stepline-*.whl")
     return built
 

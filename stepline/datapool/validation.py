@@ -43,11 +43,21 @@ def check_call(r: CallRecord) -> CallRecord:
     return CallRecord(**{**r.__dict__, "prompt_ids": prompt, "output_ids": output, "output_logprobs": logprobs})
 
 
-def check_reward(r: Reward) -> None:
-    if not isinstance(r.value, (int, float)) or not math.isfinite(r.value):
-        raise InvalidRecord(f"reward {r.name!r} of {r.session_id!r}: value must be a finite number")
-    if not isinstance(r.weight, (int, float)) or not math.isfinite(r.weight):
-        raise InvalidRecord(f"reward {r.name!r} of {r.session_id!r}: weight must be a finite number")
+MAX_REWARD = 1e6  # |value|, |weight| and |value × weight| of one reward at most (pool option max_reward)
+
+
+def check_reward(r: Reward, bound: float = MAX_REWARD) -> None:
+    """A reward the trainer can use: each factor finite, and the weighted value too (1e300 × 1e10 is not), all
+    within `bound`."""
+    where = f"reward {r.name!r} of {r.session_id!r}"
+    for field in ("value", "weight"):
+        x = getattr(r, field)
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise InvalidRecord(f"{where}: {field} must be a finite number")
+        if abs(x) > bound:
+            raise InvalidRecord(f"{where}: {field} {x:g} is outside [-{bound:g}, {bound:g}]")
+    if not math.isfinite(r.value * r.weight) or abs(r.value * r.weight) > bound:
+        raise InvalidRecord(f"{where}: value × weight ({r.value:g} × {r.weight:g}) is outside [-{bound:g}, {bound:g}]")
     if r.step is not None and (not isinstance(r.step, int) or r.step < 0):
         raise InvalidRecord(f"reward {r.name!r} of {r.session_id!r}: step must be a call index >= 0 or None")
     if not r.name:

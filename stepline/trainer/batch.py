@@ -80,9 +80,10 @@ class TokenView:
 
 
 def finite_group(group: Group) -> bool:
-    """False if any reward or any behaviour logprob on a training trajectory is NaN or infinite."""
+    """False if any reward (a factor, their product or the episode's sum) or any behaviour logprob on a training
+    trajectory is NaN or infinite."""
     for ep in group.episodes:
-        if not all(math.isfinite(r.value) and math.isfinite(r.weight) for r in ep.rewards):
+        if not all(math.isfinite(r.value * r.weight) for r in ep.rewards) or not math.isfinite(ep.outcome):
             return False
         if not all(np.isfinite(n.logprobs).all() for n in training_nodes(ep) if n.kind == "act"):
             return False

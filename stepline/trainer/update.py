@@ -15,6 +15,7 @@ under `Policy.forward_context()`: bf16 autocast when the config asks for it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections import defaultdict
@@ -48,6 +49,8 @@ from stepline.trainer.information_gain import REFERENCE_KEY, gold_probabilities
 from stepline.trainer.tree_forward import forest_forward
 
 __all__ = ["Objective", "Policy", "update"]
+
+log = logging.getLogger("stepline.trainer")
 
 
 @dataclass
@@ -145,6 +148,10 @@ def update(policy: Policy, batch: Batch, obj: Objective, version: int, ranks: Ra
     stats: dict[str, list[float]] = defaultdict(list)
     if gold is not None:
         stats["gold_prob"].append(float(gold.mean()))
+    if not all(t is None or bool(torch.isfinite(t).all()) for t in (advantages, returns, batch.outcome)):
+        log.warning("update at version %d skipped: non-finite outcomes or advantages", version)
+        stats["non_finite_steps"].append(float(obj.epochs * len(plan)))  # no optimizer step is taken
+        return _summary(batch, plan, targets.advantages, stats, obj, version, time.perf_counter() - start, ranks)
     for _ in range(obj.epochs):
         for views, auxes in zip(plan, aux):
             _minibatch_step(policy, views, auxes, targets, obj, version, stats, ranks)
@@ -246,6 +253,11 @@ def _minibatch_step(policy: Policy, views: list[TokenView], auxes: list[_Aux], t
             loss.backward()
     ranks.sum_gradients(policy.parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), obj.max_grad_norm)
+    if not bool(torch.isfinite(grad_norm)):  # a NaN/inf loss or gradient: the weights stay as they are
+        log.warning("optimizer step at version %d skipped: gradient norm %s", version, float(grad_norm))
+        policy.optimizer.zero_grad(set_to_none=True)
+        stats["non_finite_steps"].append(1.0)
+        return
     policy.optimizer.step()
     policy.scheduler.step()
     stats["grad_norm"].append(float(grad_norm))
@@ -391,4 +403,6 @@ def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int
     for key in ("policy_loss", "value_loss", "grad_norm", "lr", "gold_prob"):
         if stats.get(key):
             out[key] = float(np.mean(stats[key]))
+    if stats.get("non_finite_steps"):
+        out["non_finite_steps"] = sum(stats["non_finite_steps"])
     return out

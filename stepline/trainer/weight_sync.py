@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 import httpx
+import torch
 from torch import nn
 
 from stepline._retry import RetryPolicy, transport_error
@@ -48,6 +49,9 @@ def save_weights(model: nn.Module, root: Path, version: int, source_dir: Path, k
     """Save `model` to root/v{version:06d} as safetensors with the source's tokenizer files; keep the last `keep`.
     The folder is always the full model under plain HF names (LoRA adapters merged, frozen weights
     included: `stepline.trainer.trainable.full_state_dict`), since the engine loads nothing else."""
+    bad = [name for name, t in model.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:  # never written, so never pushed to an engine or resumed from
+        raise ValueError(f"refusing to save weights v{version}: {len(bad)} tensors hold NaN/inf (first: {bad[0]})")
     out = Path(root) / f"v{version:06d}"
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

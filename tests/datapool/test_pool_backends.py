@@ -113,6 +113,10 @@ def test_rewards_terminal_step_named_and_delayed(pool):
         pool.add_reward(Reward("zz", 1.0))
     with pytest.raises(InvalidRecord, match="finite"):
         pool.add_reward(Reward("s1", float("nan")))
+    with pytest.raises(InvalidRecord, match="value 1e.300 is outside"):  # each factor finite, the product is not
+        pool.add_reward(Reward("s1", 1e300, name="bonus", weight=1e10))
+    with pytest.raises(InvalidRecord, match="value × weight"):  # each factor within the bound, the product not
+        pool.add_reward(Reward("s1", 1e5, name="bonus", weight=1e5))
     assert pool.stats()["rewards"] == 3
 
 

@@ -90,11 +90,38 @@ def test_non_finite_groups_are_skipped_and_counted() -> None:
     inf_reward.episodes[2].rewards[0].value = math.inf
     for ep in flat_reward.episodes:
         ep.rewards[0].value = 1.0
-    batch = build_batch([good, nan_lp, inf_reward, flat_reward],
+    huge = toy_groups(5)[4]
+    huge.episodes[1].rewards[0].value, huge.episodes[1].rewards[0].weight = 1e300, 1e10  # a stored product of inf
+    batch = build_batch([good, nan_lp, inf_reward, flat_reward, huge],
                         keep_group=lambda g: "no_variance" if g is flat_reward else None)
-    assert batch.skipped == {"non_finite": 2, "no_variance": 1}
+    assert batch.skipped == {"non_finite": 3, "no_variance": 1}
     assert [ep.info.session_id for ep in batch.episodes] == [f"g0s{i}" for i in range(4)]
-    assert batch.group_ids == ["g0", "g1", "g2", "g3"]  # all of them are consumed
+    assert batch.group_ids == ["g0", "g1", "g2", "g3", "g4"]  # all of them are consumed
+
+
+def test_a_non_finite_gradient_leaves_the_weights_alone(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg, policy = policy_for(tiny_model_dir, tmp_path)
+    before = flat(policy.model).clone()
+    batch = build_batch(toy_groups())
+    with torch.no_grad():  # a poisoned activation: every loss and gradient of the update becomes NaN
+        policy.model.get_input_embeddings().weight[:, 0] = math.nan
+    poisoned = flat(policy.model).clone()
+    m = update(policy, batch, objective(cfg, 0, False), version=0)
+    assert m["non_finite_steps"] == 1 and "grad_norm" not in m
+    assert torch.equal(flat(policy.model).nan_to_num(), poisoned.nan_to_num())  # no optimizer step was taken
+    assert not torch.equal(before.nan_to_num(), poisoned.nan_to_num())
+
+
+def test_weights_holding_nan_are_never_saved(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from stepline.trainer.weight_sync import save_weights, saved_weights
+
+    _, policy = policy_for(tiny_model_dir, tmp_path)
+    save_weights(policy.model, tmp_path / "w", 1, tiny_model_dir)
+    with torch.no_grad():
+        policy.model.get_input_embeddings().weight[0, 0] = math.inf
+    with pytest.raises(ValueError, match="NaN/inf"):
+        save_weights(policy.model, tmp_path / "w", 2, tiny_model_dir)
+    assert [p.name for p in saved_weights(tmp_path / "w")] == ["v000001"]
 
 
 def test_first_update_terms_on_a_fresh_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
