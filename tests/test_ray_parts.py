@@ -97,7 +97,7 @@ def test_a_service_part_restarts_its_process_on_the_same_address_a_bounded_numbe
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import httpx
 
-    from stepline import ray_parts
+    from stepline.launch import ray_parts
 
     monkeypatch.setattr(ray_parts, "node_ip", lambda: "127.0.0.1")  # no Ray here: the part is a plain class
     part = ray_parts.ServicePart("svc", [sys.executable, "-c", SERVER, "{host}", "{port}"], tmp_path, {}, restarts=1)

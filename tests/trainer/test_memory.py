@@ -23,7 +23,7 @@ def test_importing_the_trainer_makes_openmp_wait_passively() -> None:
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    code = "import trainer, os, sys; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    code = "import stepline.trainer, os, sys; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["PASSIVE", "False"]
