@@ -12,7 +12,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.to
 
 
 def test_the_examples_are_found() -> None:
-    assert len(EXAMPLES) == 2  # quickstart.toml, own_agent.toml
+    assert len(EXAMPLES) == 3  # quickstart.toml, own_agent.toml, ray-cluster.toml
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -20,6 +20,17 @@ def test_example_job_validates(path: Path) -> None:
     cfg = load_job(path)
     assert cfg.rollout.harnesses
     assert cfg.run_dir.is_absolute()
+
+
+def test_the_cluster_example_is_the_guides_job() -> None:
+    """deploy/README.md's cluster job is this file, as the guide shows it."""
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_job(root / "examples" / "ray-cluster.toml")
+    assert (cfg.cluster.engines, cfg.cluster.gateways, cfg.cluster.rollout_workers) == (4, 2, 4)
+    assert cfg.cluster.engine_command and "{port}" in cfg.cluster.engine_command and cfg.cluster.engine.num_gpus == 1
+    guide = (root / "deploy" / "README.md").read_text()
+    shown = guide.split("# examples/ray-cluster.toml: stepline run examples/ray-cluster.toml --ray --ray-address auto\n", 1)[1]
+    assert shown.split("```", 1)[0] in (root / "examples" / "ray-cluster.toml").read_text()
 
 
 def test_a_bad_field_is_named(tmp_path: Path) -> None:
@@ -67,3 +78,15 @@ def test_an_override_reaches_into_an_array_of_tables() -> None:
         load_job(path, {"rollout.harnesses.9.max_turns": 2})
     with pytest.raises(JobError, match="not a table"):
         load_job(path, {"seed.x": 1})
+
+
+def test_the_cluster_example_needs_ray_to_start_its_engines(tmp_path: Path) -> None:
+    """Its SGLang servers come from cluster.engine_command, which only `--ray` starts: a local run says so."""
+    from stepline.launch.run import RunDir, services
+
+    cfg = load_job(Path(__file__).resolve().parents[1] / "examples" / "ray-cluster.toml")
+    run = RunDir(tmp_path)
+    run.logs.mkdir()
+    with pytest.raises(JobError, match="without --ray the job needs services.engine_url"):
+        with services(cfg, run, tmp_path, "token"):
+            pass

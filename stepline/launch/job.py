@@ -195,9 +195,9 @@ class JobConfig(_Section):
     @model_validator(mode="after")
     def _startable_engine(self) -> JobConfig:
         svc, model = self.services, self.model
-        if svc.engine_url is None and svc.engine_kind == "sglang":
+        if svc.engine_url is None and svc.engine_kind == "sglang" and self.cluster.engine_command is None:
             raise ValueError("services.engine_kind: a job starts the built-in engine or vLLM; give "
-                             "services.engine_url of a running SGLang server")
+                             "services.engine_url of a running SGLang server (or cluster.engine_command for --ray)")
         if svc.engine_url is None and svc.engine_kind == "vllm" and model.dir is None and not model.vllm_compatible:
             raise ValueError("model.vllm_compatible: the job starts vLLM on the model it builds, so build one vLLM "
                              "can serve and reload in place (vllm_compatible = true)")

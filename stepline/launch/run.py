@@ -180,6 +180,9 @@ def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[
     (run_dir/services.json names both while they run)."""
     with Services(run.logs, cfg.services.startup_timeout_s) as children:
         engine_url, kind = cfg.services.engine_url, cfg.services.engine_kind
+        if engine_url is None and kind == "sglang":  # cluster.engine_command starts SGLang under --ray only
+            raise JobError("services.engine_kind = sglang: without --ray the job needs services.engine_url of a "
+                           "running SGLang server")
         if engine_url is None:
             engine_url = f"http://127.0.0.1:{free_port()}"
             children.wait(start_engine(children, cfg.services, policy, engine_url), engine_url)
