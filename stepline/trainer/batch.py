@@ -55,6 +55,18 @@ class Batch:
     def num_steps(self) -> int:
         return int(self.step_episode.numel())
 
+    def anchor_shared(self) -> float:
+        """Of the steps after each trajectory's first, the share whose anchor state another episode of the same
+        group also acted on: how often GiGPO's step groups hold more than one episode (first steps always do)."""
+        later = (self.step_position > 0).nonzero().flatten().tolist()
+        if not later:
+            return 0.0
+        group = self.episode_group[self.step_episode]
+        episodes: dict[tuple[int, int], set[int]] = {}
+        for row in later:
+            episodes.setdefault((int(group[row]), int(self.step_state[row])), set()).add(int(self.step_episode[row]))
+        return sum(len(episodes[(int(group[r]), int(self.step_state[r]))]) > 1 for r in later) / len(later)
+
     def owner_rows(self) -> torch.Tensor:
         """int64 [S]: for each step row, the row that owns its call's tokens (itself unless the call is shared)."""
         return torch.tensor([self.token_rows[(int(e), int(c))] for e, c in zip(self.step_episode, self.step_call)],

@@ -383,6 +383,7 @@ def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int
         "forward_tokens_per_s": packed * obj.epochs / max(elapsed, 1e-9),
         "tree_token_saving": 1 - packed / naive if naive else 0.0, "update_seconds": elapsed,
         "reward_mean": float(batch.outcome.mean()) if len(batch.episodes) else math.nan,
+        "anchor_shared": batch.anchor_shared(),
         "rank_episodes": sum(int(torch.unique(view.episode_ids).numel()) for view in _views(plan)),
     }
     if versions.numel():

@@ -220,6 +220,10 @@ def test_anchor_states_come_from_the_observation_tokens(tiny_model_dir: Path, tm
     assert (first == first[:, :1]).all() and first[0, 0] != first[1, 0]
     second = batch.step_state[batch.step_position == 1]
     assert (second == second[0]).all() and second[0] not in first
+    assert batch.anchor_shared() == 1.0  # every second step saw [7, 8], as did its group's other episodes
+    batch.step_state[(batch.step_position == 1).nonzero().flatten()[:2]] = torch.tensor([100, 101])
+    assert batch.anchor_shared() == 6 / 8  # two second steps of group 0 now saw screens no other episode saw
+    batch.step_state[batch.step_position == 1] = second
     cfg, policy = policy_for(tiny_model_dir, tmp_path, advantage="gigpo", advantage_args={"gamma": 0.9})
     m = update(policy, batch, objective(cfg, 0, False), version=0)
     assert math.isfinite(m["policy_loss"]) and m["adv_max"] > 0
