@@ -12,7 +12,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.to
 
 
 def test_the_examples_are_found() -> None:
-    assert len(EXAMPLES) == 3  # quickstart.toml, own_agent.toml, ray-cluster.toml
+    assert len(EXAMPLES) == 4  # quickstart.toml, own_agent.toml, ray-cluster.toml, ui.toml
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
