@@ -28,7 +28,8 @@ from typing import Any
 import click
 
 from stepline.launch.job import JobConfig, load_job
-from stepline.launch.run import RunDir, build_base_model, services, train_rl, trainer_configs, warm_start
+from stepline.launch.phases import RunDir, build_base_model, trainer_configs, warm_start
+from stepline.launch.run import services, train_rl
 from stepline.report import batch_rewards
 
 ROOT = Path(__file__).resolve().parents[1]

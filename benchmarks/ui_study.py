@@ -23,7 +23,8 @@ from typing import Any
 import click
 
 from stepline.launch.job import JobConfig, load_job
-from stepline.launch.run import RunDir, build_base_model, evaluate_once, run_job, services, trainer_configs, warm_start
+from stepline.launch.phases import RunDir, build_base_model, evaluate_once, trainer_configs, warm_start
+from stepline.launch.run import run_job, services
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("grpo", "gigpo", "tree_grpo")

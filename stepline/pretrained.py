@@ -81,7 +81,7 @@ def _dequantise(out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     from stepline.assets import smollm2_gguf
-    from stepline.models import TINY_CHAT_TEMPLATE
+    from stepline.chatml import TINY_CHAT_TEMPLATE
 
     gguf = smollm2_gguf()
     out.mkdir(parents=True, exist_ok=True)

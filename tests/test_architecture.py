@@ -29,7 +29,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "trainer": {"gateway", "rollout", "agents", "engine", "dashboard", "launch", "cli"},
     "datapool": {"gateway", "trainer", "rollout", "agents", "engine", "dashboard", "launch", "cli"},
     "rollout": {"gateway", "trainer", "agents", "engine", "dashboard", "launch", "cli", *THIRD_PARTY},
-    "agents": {*SERVICES, "launch", "cli", "models", "pretrained", "assets", "report", "_retry"},  # black boxes
+    "agents": {*SERVICES, "launch", "cli", "models", "pretrained", "chatml", "assets", "report", "_retry"},  # black boxes
     "engine": {"gateway", "datapool", "trainer", "rollout", "agents", "dashboard", "launch", "cli"},
     "dashboard": {"gateway", "rollout", "agents", "engine"},
     "launch": {"agents"},  # harnesses run as separate processes, never imported
@@ -107,3 +107,76 @@ def test_no_file_names_a_path_outside_the_repository() -> None:
     assert len(files) > len(PARTS)
     bad = [f"{path.relative_to(ROOT)}: {word}" for path in files for word in outside if word in path.read_text()]
     assert not bad, bad
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the stepline modules it imports: every import statement, lazy ones inside functions and those
+    under TYPE_CHECKING included (`from stepline.a import b` names the module stepline.a.b when b is one)."""
+    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+    def known(name: str) -> str:
+        while name not in paths:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {known(a.name) for a in node.names if a.name.startswith("stepline.")}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *[base] * bool(base)])
+                if base == "stepline" or base.startswith("stepline."):
+                    edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in paths else known(base) for a in node.names}
+        graph[name] = edges - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles() -> None:
+    """No two modules of the package import each other, directly or through others, lazily or not."""
+    graph = import_graph()
+    assert len(graph) > 100 and "stepline.rollout.trees" in graph["stepline.rollout.driver"]
+    assert circles(graph) == []
+

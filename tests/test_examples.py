@@ -59,7 +59,7 @@ def test_demonstrations_per_harness_name_known_harnesses(tmp_path: Path) -> None
 
 
 def test_the_trainer_waits_for_the_smallest_group_of_the_mix(tmp_path: Path) -> None:
-    from stepline.launch.run import smallest_group
+    from stepline.launch.phases import smallest_group
 
     job = tmp_path / "mix.toml"
     job.write_text('[rollout]\ngroup_size = 4\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\ngroup_size = 8\n'
@@ -82,7 +82,8 @@ def test_an_override_reaches_into_an_array_of_tables() -> None:
 
 def test_the_cluster_example_needs_ray_to_start_its_engines(tmp_path: Path) -> None:
     """Its SGLang servers come from cluster.engine_command, which only `--ray` starts: a local run says so."""
-    from stepline.launch.run import RunDir, services
+    from stepline.launch.phases import RunDir
+    from stepline.launch.run import services
 
     cfg = load_job(Path(__file__).resolve().parents[1] / "examples" / "ray-cluster.toml")
     run = RunDir(tmp_path)

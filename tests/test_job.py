@@ -81,7 +81,7 @@ def test_the_rl_time_bound_counts_what_earlier_runs_spent(tmp_path: Path, tiny_m
     """`rl_minutes` bounds the RL phase over resumes: the trainer gets what phases.json has not used up."""
     import json
 
-    from stepline.launch.run import RunDir, trainer_configs
+    from stepline.launch.phases import RunDir, trainer_configs
 
     job = tmp_path / "job.toml"
     job.write_text("rl_minutes = 2\n")
@@ -101,7 +101,7 @@ def test_the_job_time_bound_leaves_room_for_the_last_evaluation(tmp_path: Path) 
     (half as long again as the one before); with `rl_minutes` too, the tighter bound wins."""
     import json
 
-    from stepline.launch.run import RunDir, rl_seconds_left
+    from stepline.launch.phases import RunDir, rl_seconds_left
 
     job, run = tmp_path / "job.toml", RunDir(tmp_path / "run")
     run.root.mkdir()

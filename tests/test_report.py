@@ -62,7 +62,7 @@ def test_summary_and_plot_from_a_run_directory(tmp_path):
 
 
 def test_resumed_run_keeps_earlier_episodes(tmp_path):
-    from stepline.launch.run import save_rollouts
+    from stepline.launch.phases import save_rollouts
 
     path = tmp_path / "rollouts.json"
     save_rollouts(path, [{"harness": "ui", "reward": 1.0, "batch": 0}, {"harness": "ui", "reward": 0.0, "batch": 1}])

@@ -59,7 +59,8 @@ def test_run_hands_the_gateway_its_admin_token_through_the_environment(monkeypat
     """`stepline run` put `--admin-token` in its gateway's argv, readable by anyone through `ps`."""
     import stepline.launch.services
     from stepline.launch.job import JobConfig
-    from stepline.launch.run import RunDir, services
+    from stepline.launch.phases import RunDir
+    from stepline.launch.run import services
 
     started: list[tuple[list[str], dict[str, str]]] = []
     monkeypatch.setattr(stepline.launch.services, "start", lambda name, args, logs, env=None: started.append((args, env or {})))

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from stepline.launch.job import JobError, load_job
-from stepline.launch.run import RunDir, services
+from stepline.launch.phases import RunDir
+from stepline.launch.run import services
 
 FAKE_VLLM = """#!/bin/sh
 # argv: -m vllm.entrypoints.openai.api_server --model DIR --host H --port P ...

@@ -28,15 +28,8 @@ from typing import Any
 import click
 
 from stepline.launch.job import JobConfig, JobError, PartResources
-from stepline.launch.run import (
-    RunDir,
-    engine_spec,
-    evaluate_once,
-    rl_seconds_left,
-    save_rollouts,
-    warm_started,
-    write_summary,
-)
+from stepline.launch.phases import RunDir, evaluate_once, rl_seconds_left, save_rollouts, warm_started, write_summary
+from stepline.launch.services import engine_spec
 
 __all__ = ["run_ray_job"]
 

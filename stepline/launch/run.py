@@ -4,8 +4,9 @@
     → RL: harnesses roll out through the gateway while the trainer updates and pushes weights
     → evaluate (after) → plot + summary
 
-Every phase leaves its result in the run directory and is skipped when it is already there, so a job
-stopped with Ctrl-C starts again where it stopped (the trainer resumes from its last checkpoint).
+The phases it shares with `stepline run --ray` (run directory, model, SFT, evaluation, summary) are
+stepline/launch/phases.py; each leaves its result in the run directory and is skipped when it is already
+there, so a job stopped with Ctrl-C starts again where it stopped (the trainer resumes from its last checkpoint).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import os
 import secrets
 import signal
 import sys
-import time
 import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,48 +25,26 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from stepline.launch.job import JobConfig, JobError, ServicesSection, load_job, trainer_config, unused_by_run
-from stepline.launch.services import Child, EngineSpec, GatewaySpec, Services, engine_token, free_port, port_of
+from stepline.launch.job import JobConfig, JobError, ServicesSection, load_job, unused_by_run
+from stepline.launch.phases import RunDir, evaluate_once, rl_seconds_left, save_rollouts, warm_started, write_summary
+from stepline.launch.services import (
+    Child,
+    GatewaySpec,
+    Services,
+    engine_dtype,
+    engine_spec,
+    engine_token,
+    free_port,
+    port_of,
+)
 
 if TYPE_CHECKING:
-    from stepline.rollout.config import RolloutConfig
     from stepline.trainer.config import TrainerConfig
 
 __all__ = ["run_command", "run_job"]
 
 log = logging.getLogger("stepline.launch.run")
 
-
-class RunDir:
-    """Where each phase of a run keeps its result (its presence is what a resumed job skips)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.base_model = root / "model-base"
-        self.sft = root / "sft"  # demonstrations pool and the SFT trainer's output
-        self.sft_model = root / "model-sft"
-        self.rl = root / "rl"  # the RL trainer's output: metrics, checkpoints, pushed weights
-        self.pool_db = root / "pool.db"
-        self.logs = root / "logs"
-
-    def eval_file(self, tag: str) -> Path:
-        return self.root / "eval" / f"{tag}.json"
-
-    def phases(self) -> dict[str, float]:
-        """Seconds this run directory's jobs have spent in each phase so far."""
-        path = self.root / "phases.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time a phase into phases.json (seconds; a resumed job adds to what the stopped one spent)."""
-        started = time.monotonic()
-        try:
-            yield
-        finally:
-            phases = self.phases()
-            phases[name] = round(phases.get(name, 0.0) + time.monotonic() - started, 1)
-            (self.root / "phases.json").write_text(json.dumps(phases, indent=1))
 
 
 def run_job(cfg: JobConfig) -> dict[str, Any]:
@@ -84,94 +62,6 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
             evaluate_once(cfg, run, gateway_url, token, f"after-{updates}")
     return write_summary(cfg, run)
 
-
-def warm_started(cfg: JobConfig) -> tuple[RunDir, TrainerConfig, Path]:
-    """The phases every form of the job (local, Ray) begins with: the run directory, the base model, both trainer
-    configs checked before anything long starts, the SFT warm start. Returns (run, RL config, SFT policy)."""
-    run = RunDir(cfg.run_dir)
-    for path in (run.root, run.logs, run.root / "eval"):
-        path.mkdir(parents=True, exist_ok=True)
-    (run.root / "job.json").write_text(cfg.model_dump_json(indent=1))
-    with run.phase("model"):
-        base = build_base_model(cfg, run)
-    sft_cfg, rl_cfg = trainer_configs(cfg, run, base)
-    with run.phase("sft"):
-        policy = warm_start(cfg, run, base, sft_cfg)
-    return run, rl_cfg, policy
-
-
-def trainer_configs(cfg: JobConfig, run: RunDir, base: Path) -> list[TrainerConfig]:
-    """The SFT and RL trainer configs; a bad field fails here, naming `sft.trainer.X` or `trainer.X`."""
-    sft = {"seed": cfg.seed, "progress": False, **cfg.sft.trainer, "mode": "sft", "model_dir": base,
-           "output_dir": run.sft / "train"}
-    rl = {"seed": cfg.seed, "checkpoint_every": 1, "idle_timeout": 10.0, **cfg.trainer, "mode": "rl",
-          "progress": False, "model_dir": base, "output_dir": run.rl, "max_updates": max(cfg.rl_updates, 1),
-          "group_size": smallest_group(cfg.rollout), "max_seconds": rl_seconds_left(cfg, run)}
-    return [trainer_config(sft, "sft.trainer"), trainer_config(rl, "trainer")]
-
-
-EVAL_AFTER_GROWTH = 1.5  # the evaluation after RL over the one before: a trained policy's episodes run longer
-                         # (measured 1.6-1.7x when RL stopped UI's early "Done.", 1.0-1.3x before that)
-
-
-def rl_seconds_left(cfg: JobConfig, run: RunDir) -> float | None:
-    """What is left of the RL phase's time bounds after what this job's runs spent so far (phases.json): of
-    rl_minutes, the RL time spent; of job_minutes, every phase's, and EVAL_AFTER_GROWTH times what the evaluation
-    before RL took, for the one after it. None: no bound."""
-    phases = run.phases()
-    left = []
-    if cfg.rl_minutes is not None:
-        left.append(cfg.rl_minutes * 60 - phases.get("rl", 0.0))
-    if cfg.job_minutes is not None:
-        left.append(cfg.job_minutes * 60 - sum(phases.values()) - EVAL_AFTER_GROWTH * phases.get("eval_before", 0.0))
-    return max(min(left), 0.001) if left else None
-
-
-def smallest_group(rollout: RolloutConfig) -> int:
-    """The fewest sessions a group of this job has: the trainer's minimum group size."""
-    return min([h.group_size or rollout.group_size for h in rollout.harnesses], default=rollout.group_size)
-
-
-def build_base_model(cfg: JobConfig, run: RunDir) -> Path:
-    from stepline.models import build_model
-
-    if cfg.model.dir is not None:
-        return cfg.model.dir
-    if not (run.base_model / "config.json").is_file():
-        m = cfg.model
-        seed = cfg.seed if m.seed is None else m.seed
-        build_model(run.base_model, kind=m.kind, seed=seed, hidden_size=m.hidden_size, num_layers=m.num_layers,
-                    num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, tie_embeddings=not m.vllm_compatible)
-    return run.base_model
-
-
-def warm_start(cfg: JobConfig, run: RunDir, base: Path, sft: TrainerConfig) -> Path:
-    """SFT on expert demonstrations (cached in run_dir/model-sft); the base model when there are none."""
-    from stepline.datapool import open_pool
-    from stepline.launch.demos import collect_demos
-    from stepline.trainer.loop import train
-    from stepline.trainer.weight_sync import NoWeightSync, saved_weights
-
-    if cfg.sft.demos_per_harness == 0 and not any(cfg.sft.demos.values()):
-        return base
-    if (run.sft_model / "config.json").is_file():
-        return run.sft_model
-    run.sft.mkdir(exist_ok=True)
-    pool = open_pool(f"sqlite:///{run.sft / 'demos.db'}")
-    try:
-        if not pool.stats()["sessions"]:
-            written = collect_demos(pool, base, cfg.rollout.harnesses, cfg.sft.demos_per_harness, seed=cfg.seed,
-                                    counts=cfg.sft.demos)
-            click.echo(f"expert demonstrations: {written}")
-        state = train(sft, pool, NoWeightSync(), offline=True)
-    finally:
-        pool.close()
-    latest = saved_weights(run.sft / "train" / "weights")
-    if not latest:
-        raise click.ClickException("the SFT pass trained nothing (no demonstrations?)")
-    latest[-1].rename(run.sft_model)
-    click.echo(f"SFT warm start: {state.update} updates → {run.sft_model}")
-    return run.sft_model
 
 
 @contextmanager
@@ -211,16 +101,6 @@ def start_engine(children: Services, svc: ServicesSection, policy: Path, url: st
     return children.start("engine", [sys.executable, "-m", "stepline.launch.lifeline", *argv], env)
 
 
-def engine_dtype(svc: ServicesSection) -> str:
-    """float32 or bfloat16 (auto: bfloat16 where this CPU has bf16 units)."""
-    import torch
-
-    from stepline.trainer.precision import fast_bf16
-
-    if svc.engine_dtype != "auto":
-        return svc.engine_dtype
-    return "bfloat16" if fast_bf16(torch.device("cpu")) else "float32"
-
 
 def slow_cpu_note(cfg: JobConfig) -> str | None:
     """A word before a time-bounded job starts on a CPU without bf16 units: SFT and evaluation then take most of
@@ -236,28 +116,6 @@ def slow_cpu_note(cfg: JobConfig) -> str | None:
             f"evaluations take most of job_minutes = {cfg.job_minutes:g} and RL fits few updates")
 
 
-def engine_spec(svc: ServicesSection, policy: Path, port: int | str, host: str | None = None) -> EngineSpec:
-    """The built-in engine the job starts on its policy ([services] table)."""
-    return EngineSpec(policy, port, host, svc.context_length, engine_dtype(svc), svc.prefix_cache_mb,
-                      svc.engine_threads)
-
-
-def evaluate_once(cfg: JobConfig, run: RunDir, gateway_url: str, token: str, tag: str) -> dict[str, Any]:
-    """Success per harness on the test split through the policy the gateway serves now (cached by tag)."""
-    import asyncio
-
-    from stepline.rollout.driver import format_stats
-    from stepline.rollout.evaluate import evaluate
-
-    path = run.eval_file(tag)
-    if path.is_file():
-        return json.loads(path.read_text())
-    click.echo(f"evaluating ({tag}) on the test split…")
-    rollout = cfg.rollout.model_copy(update={"max_concurrency": cfg.eval.concurrency or cfg.rollout.max_concurrency})
-    report = asyncio.run(evaluate(rollout, gateway_url, token, "test", cfg.eval.limit, cfg.eval.temperature))
-    path.write_text(json.dumps(report, indent=1))
-    click.echo(format_stats(report["harnesses"]))
-    return report
 
 
 def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> int:
@@ -289,28 +147,6 @@ def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> int:
         sync.close()
         pool.close()
 
-
-def save_rollouts(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Append this run's episodes to those a stopped run of the same job wrote (resume keeps history);
-    batch numbers continue after the earlier run's."""
-    earlier = json.loads(path.read_text()) if path.is_file() else []
-    offset = 1 + max((r.get("batch", 0) for r in earlier), default=-1)
-    path.write_text(json.dumps(earlier + [{**r, "batch": r.get("batch", 0) + offset} for r in rows], indent=1))
-
-
-def write_summary(cfg: JobConfig, run: RunDir) -> dict[str, Any]:
-    from stepline.report import plot_run, summarise
-
-    summary = summarise(run.root)
-    summary["phases_s"] = run.phases()
-    plot = plot_run(run.root, run.root / "progress.png")
-    summary["files"] = {
-        "config": str(run.root / "job.json"), "metrics_jsonl": str(run.rl / "metrics.jsonl"),
-        "tensorboard": str(run.rl / "tb"), "pool": str(run.pool_db), "checkpoints": str(run.rl / "checkpoints"),
-        "weights": str(run.rl / "weights"), "plot": str(plot), "logs": str(run.logs),
-    }
-    (run.root / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
 
 
 def _overrides(pairs: tuple[str, ...]) -> dict[str, Any]:

@@ -25,13 +25,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import click
 import httpx
 
 from stepline.launch.lifeline import PARENT_PID_ENV
 
-__all__ = ["Child", "EngineSpec", "GatewaySpec", "PoolSpec", "Services", "engine_token", "free_port", "start",
+if TYPE_CHECKING:
+    from stepline.launch.job import ServicesSection
+
+__all__ = ["Child", "EngineSpec", "GatewaySpec", "PoolSpec", "Services", "engine_dtype", "engine_spec", "engine_token", "free_port", "start",
            "stepline_argv", "stop_all", "wait_healthy"]
 
 
@@ -95,6 +99,23 @@ class GatewaySpec:
                              "--pool", self.pool, *_option("--host", self.host), "--port", str(self.port),
                              *_option("--spill", self.spill), *_option("--session-idle-timeout", self.session_idle_timeout),
                              *_option("--context-length", self.context_length))
+
+
+def engine_dtype(svc: ServicesSection) -> str:
+    """float32 or bfloat16 (auto: bfloat16 where this CPU has bf16 units)."""
+    import torch
+
+    from stepline.trainer.precision import fast_bf16
+
+    if svc.engine_dtype != "auto":
+        return svc.engine_dtype
+    return "bfloat16" if fast_bf16(torch.device("cpu")) else "float32"
+
+
+def engine_spec(svc: ServicesSection, policy: Path, port: int | str, host: str | None = None) -> EngineSpec:
+    """The built-in engine the job starts on its policy ([services] table)."""
+    return EngineSpec(policy, port, host, svc.context_length, engine_dtype(svc), svc.prefix_cache_mb,
+                      svc.engine_threads)
 
 
 @dataclass

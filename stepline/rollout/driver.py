@@ -51,6 +51,7 @@ from stepline.rollout import trees
 from stepline.rollout import worker as rollout_worker
 from stepline.rollout.client import GatewayClient, GatewayError, SessionHandle
 from stepline.rollout.config import HarnessSpec, RolloutConfig, list_tasks, task_references
+from stepline.rollout.results import EpisodeResult, HarnessStats
 from stepline.rollout.worker import HarnessWorker, WorkerError, WorkerMissing
 
 __all__ = ["EpisodeResult", "HarnessStats", "RolloutDriver", "format_stats", "run_rollouts"]
@@ -59,44 +60,6 @@ log = logging.getLogger("stepline.rollout")
 TAIL = 400  # bytes of a process's output quoted in a failure reason
 SESSION_KEYS = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY")
 Scored = tuple[Literal["completed", "failed"], float | None, bool, str]  # status, reward, success, reason
-
-
-@dataclass
-class EpisodeResult:
-    harness: str
-    task_id: str
-    session_id: str | None  # None when no session could be opened
-    status: Literal["completed", "failed"]
-    reward: float | None  # None: the harness posts its own (no verifier)
-    success: bool
-    reason: str
-    attempt: int = 0  # 0 for the first try, 1.. for retries of a failed episode
-    seconds: float = 0.0
-
-
-@dataclass
-class HarnessStats:
-    episodes: int = 0
-    successes: int = 0
-    failed: int = 0
-    reward_sum: float = 0.0
-    rewarded: int = 0  # episodes whose reward the driver knows
-
-    def add(self, result: EpisodeResult) -> None:
-        self.episodes += 1
-        self.successes += result.success
-        self.failed += result.status == "failed"
-        if result.reward is not None:
-            self.reward_sum += result.reward
-            self.rewarded += 1
-
-    def summary(self, elapsed_s: float) -> dict[str, float]:
-        return {
-            "episodes": self.episodes, "failed": self.failed,
-            "success_rate": self.successes / self.episodes if self.episodes else 0.0,
-            "mean_reward": self.reward_sum / self.rewarded if self.rewarded else 0.0,
-            "episodes_per_s": self.episodes / elapsed_s if elapsed_s > 0 else 0.0,
-        }
 
 
 @dataclass
@@ -344,7 +307,8 @@ class RolloutDriver:
         metadata = metadata or {}
         metadata = {**metadata, **await self._reference(spec, task_id, metadata.get("split", spec.split))}
         if spec.tree_search is not None and group_size is None:
-            return await trees.run_tree_group(self, spec, task_id, spec.tree_search, group_id, metadata)
+            return await trees.run_tree_group(self, spec, task_id, spec.tree_search, group_id, metadata,
+                                              self.config.seed)
         size = group_size or spec.group_size or self.config.group_size
         return list(await asyncio.gather(*(self.run_episode(spec, task_id, group_id, metadata) for _ in range(size))))
 

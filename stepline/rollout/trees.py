@@ -19,17 +19,32 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from stepline.rollout.client import GatewayError, SessionHandle
+from stepline.rollout.client import GatewayClient, GatewayError, SessionHandle
 from stepline.rollout.config import HarnessSpec, TreeSearch
-
-if TYPE_CHECKING:
-    from stepline.rollout.driver import EpisodeResult, RolloutDriver
+from stepline.rollout.results import EpisodeResult
 
 Opener = Callable[[], Awaitable[SessionHandle]]
 
-__all__ = ["TreeEpisode", "branch_points", "draw_branches", "run_tree_group"]
+__all__ = ["Player", "TreeEpisode", "branch_points", "draw_branches", "run_tree_group"]
+
+
+class Player(Protocol):
+    """What a tree group needs of the rollout driver (the driver is one; trees.py never imports it)."""
+
+    gateway: GatewayClient
+    slots: asyncio.Semaphore  # bounds the episodes running at once
+
+    def open_session(self, spec: HarnessSpec, task_id: str, group_id: str | None,
+                     metadata: dict[str, Any]) -> Awaitable[SessionHandle]: ...
+
+    async def played(self, spec: HarnessSpec, task_id: str, open_session: Opener,
+                     end: bool = True) -> tuple[EpisodeResult, SessionHandle | None]:
+        """Open a session, play and score it, post its reward and (if `end`) end it."""
+        ...
+
+    def add_result(self, spec: HarnessSpec, result: EpisodeResult) -> None: ...
 
 
 @dataclass
@@ -52,10 +67,11 @@ def draw_branches(points: list[tuple[int, int]], n: int, rng: random.Random) -> 
     return rng.sample(points, n) if len(points) >= n else rng.choices(points, k=n)
 
 
-async def run_tree_group(driver: RolloutDriver, spec: HarnessSpec, task_id: str, search: TreeSearch, group_id: str,
-                         metadata: dict[str, Any]) -> list[EpisodeResult]:
-    """One group of trees; returns every episode's result (roots first)."""
-    rng = random.Random(f"{driver.config.seed}:{group_id}")
+async def run_tree_group(driver: Player, spec: HarnessSpec, task_id: str, search: TreeSearch, group_id: str,
+                         metadata: dict[str, Any], seed: int) -> list[EpisodeResult]:
+    """One group of trees; returns every episode's result (roots first). `seed`: the rollouts' (with the group
+    id it draws the branch points)."""
+    rng = random.Random(f"{seed}:{group_id}")
 
     def root() -> Awaitable[SessionHandle]:
         return driver.open_session(spec, task_id, group_id, {**metadata, "attempt": 0})
@@ -79,11 +95,11 @@ async def run_tree_group(driver: RolloutDriver, spec: HarnessSpec, task_id: str,
     return results
 
 
-def _fork(driver: RolloutDriver, source: str, call: int, round_: int) -> Opener:
+def _fork(driver: Player, source: str, call: int, round_: int) -> Opener:
     return lambda: driver.gateway.fork_session(source, call, {"round": round_})
 
 
-async def _episode(driver: RolloutDriver, spec: HarnessSpec, task_id: str, open_session: Opener,
+async def _episode(driver: Player, spec: HarnessSpec, task_id: str, open_session: Opener,
                    branch: int) -> TreeEpisode | None:
     """Play one episode of a tree, rewarded but left open; None when no session could be opened."""
     async with driver.slots:
@@ -99,7 +115,7 @@ async def _episode(driver: RolloutDriver, spec: HarnessSpec, task_id: str, open_
     return TreeEpisode(handle, result, branch, calls)
 
 
-async def _end(driver: RolloutDriver, ep: TreeEpisode) -> None:
+async def _end(driver: Player, ep: TreeEpisode) -> None:
     try:
         await driver.gateway.end_session(ep.handle.session_id, ep.result.status)
     except GatewayError as exc:
