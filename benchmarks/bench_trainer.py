@@ -292,11 +292,12 @@ def main() -> None:
             measure_memory(args.only, args, args.model_dir)
         print(json.dumps(result))
         return
-    from stepline.models import build_model
+    from stepline.models import ModelShape, build_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp) / "m", kind="tiny", hidden_size=args.hidden, num_layers=args.layers,
-                                num_heads=max(args.hidden // 64, 2), num_kv_heads=max(args.hidden // 128, 1))
+        shape = ModelShape(hidden_size=args.hidden, num_layers=args.layers, num_heads=max(args.hidden // 64, 2),
+                           num_kv_heads=max(args.hidden // 128, 1))
+        model_dir = build_model(Path(tmp) / "m", kind="tiny", shape=shape)
         results = _subprocess("time", model_dir)
         for v in ("tree", "naive"):
             results[v].update(_subprocess(v, model_dir))

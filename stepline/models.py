@@ -15,6 +15,7 @@ The same seed gives byte-identical weights and tokenizer files.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -22,7 +23,7 @@ import click
 
 from stepline.chatml import TINY_CHAT_TEMPLATE
 
-__all__ = ["MODEL_KINDS", "SPECIAL_TOKENS", "TINY_CHAT_TEMPLATE", "VLLM_SHAPE", "ModelKind", "build_model",
+__all__ = ["MODEL_KINDS", "SPECIAL_TOKENS", "TINY_CHAT_TEMPLATE", "VLLM_SHAPE", "ModelKind", "ModelShape", "build_model",
            "check_vllm_shape", "make_model_command", "tiny_corpus"]
 
 ModelKind = Literal["tiny", "qwen3-tiny", "smollm2-135m"]
@@ -87,11 +88,28 @@ def _json(value: object) -> str:
     return json.dumps(value)
 
 
-DEFAULT_SHAPE = {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "tie_embeddings": True}  # head_dim 16
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a random-weight model (kinds tiny and qwen3-tiny; SmolLM2 has its own)."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4  # hidden_size must divide by it, and it by num_kv_heads
+    num_kv_heads: int = 2
+    intermediate_size: int | None = None  # None: 3 × hidden_size
+    vocab_size: int = 3072  # the BPE target size of `tiny`; qwen3-tiny uses the real vocabulary
+    max_position_embeddings: int = 4096
+    # larger than HF's 0.02 on purpose: at 0.02 a tiny model with tied embeddings greedily copies its last
+    # input token and two seeds give near-identical, near-uniform distributions
+    init_std: float = 0.1
+    tie_embeddings: bool = True
+
+
+DEFAULT_SHAPE = ModelShape()  # head_dim 16
 # vLLM's CPU attention refuses head_dim 16 ("Unsupported CPU attention configuration"); 64 is served.
 # Untied: vLLM 0.32's reload_weights leaves a tied LM head on the weights it started with (the
 # checkpoint has no lm_head.weight to load), so pushes to a tied model would serve a mix of weights.
-VLLM_SHAPE = {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "tie_embeddings": False}  # head_dim 64
+VLLM_SHAPE = ModelShape(hidden_size=128, num_heads=2, num_kv_heads=1, tie_embeddings=False)  # head_dim 64
 # The head sizes vLLM 0.32's CPU attention backend lists as supported (CPUAttentionBackend).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -104,26 +122,10 @@ def check_vllm_shape(hidden_size: int, num_heads: int) -> None:
                          f"(vLLM's CPU attention); got {hidden_size} / {num_heads}")
 
 
-def build_model(
-    out_dir: Path | str,
-    kind: ModelKind = "tiny",
-    seed: int = 0,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int | None = None,
-    vocab_size: int = 3072,
-    max_position_embeddings: int = 4096,
-    init_std: float = 0.1,
-    tie_embeddings: bool = True,
-) -> Path:
-    """Build a random-weight model directory at `out_dir` and return it.
-
-    `vocab_size` applies to `tiny` only (the BPE target size); `qwen3-tiny` uses the real vocabulary.
-    `init_std` is larger than HF's 0.02 on purpose: at 0.02 a tiny model with tied embeddings greedily
-    copies its last input token and two seeds give near-identical, near-uniform distributions.
-    Deterministic: the same arguments give byte-identical files.
+def build_model(out_dir: Path | str, kind: ModelKind = "tiny", seed: int = 0, shape: ModelShape = DEFAULT_SHAPE) -> Path:
+    """Build a model directory at `out_dir` and return it: random weights of `shape` and `seed` (smollm2-135m:
+    the pretrained model; shape and seed do not apply). Deterministic: the same arguments give byte-identical
+    files.
     """
     import torch
 
@@ -134,14 +136,12 @@ def build_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if kind == "tiny":
-        tokenizer = _tiny_tokenizer(vocab_size)
+        tokenizer = _tiny_tokenizer(shape.vocab_size)
     elif kind == "qwen3-tiny":
         tokenizer = _qwen3_tokenizer()
     else:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(MODEL_KINDS)}")
-    config = _config(kind, tokenizer, hidden_size, num_layers, num_heads, num_kv_heads,
-                     intermediate_size or 3 * hidden_size, max_position_embeddings, init_std)
-    config.tie_word_embeddings = tie_embeddings
+    config = _config(kind, tokenizer, shape)
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     with torch.random.fork_rng(devices=[]):
@@ -156,19 +156,20 @@ def build_model(
     return out
 
 
-def _config(kind: ModelKind, tokenizer, hidden: int, layers: int, heads: int, kv_heads: int,
-            intermediate: int, max_positions: int, init_std: float):
+def _config(kind: ModelKind, tokenizer, shape: ModelShape):
     from transformers import Qwen2Config, Qwen3Config
 
+    hidden, heads, kv_heads = shape.hidden_size, shape.num_heads, shape.num_kv_heads
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden_size {hidden} must divide by num_heads {heads}, "
                          f"which must divide by num_kv_heads {kv_heads}")
     # Round the embedding up to a multiple of 64 as Qwen does; the extra rows are never produced by the tokenizer.
     vocab = (len(tokenizer) + 63) // 64 * 64
     common = dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        tie_word_embeddings=True, initializer_range=init_std,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=shape.intermediate_size or 3 * hidden,
+        num_hidden_layers=shape.num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=shape.tie_embeddings,
+        initializer_range=shape.init_std,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None,
     )
@@ -228,15 +229,13 @@ def make_model_command(out: Path, kind: ModelKind, seed: int, hidden_size: int |
     from stepline.assets import AssetUnavailable
 
     hf_logging.disable_progress_bar()
-    shape = {**(VLLM_SHAPE if vllm_compatible else DEFAULT_SHAPE)}
     given = {"hidden_size": hidden_size, "num_heads": num_heads, "num_kv_heads": num_kv_heads}
-    shape.update({k: v for k, v in given.items() if v is not None})
+    shape = replace(VLLM_SHAPE if vllm_compatible else DEFAULT_SHAPE, num_layers=num_layers,
+                    **{k: v for k, v in given.items() if v is not None})
     try:
         if vllm_compatible and kind != "smollm2-135m":
-            check_vllm_shape(shape["hidden_size"], shape["num_heads"])
-        path = build_model(out, kind=kind, seed=seed, num_layers=num_layers, hidden_size=shape["hidden_size"],
-                           num_heads=shape["num_heads"], num_kv_heads=shape["num_kv_heads"],
-                           tie_embeddings=bool(shape["tie_embeddings"]))
+            check_vllm_shape(shape.hidden_size, shape.num_heads)
+        path = build_model(out, kind=kind, seed=seed, shape=shape)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     except AssetUnavailable as exc:

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stepline.models import SPECIAL_TOKENS, build_model, make_model_command
+from stepline.models import SPECIAL_TOKENS, ModelShape, build_model, make_model_command
 
 torch.set_num_threads(1)
 
@@ -63,10 +63,10 @@ def test_qwen3_tiny_uses_real_tokenizer(qwen3_model_dir: Path) -> None:
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path: Path) -> None:
-    small = dict(hidden_size=32, num_layers=1)
-    a = build_model(tmp_path / "a", seed=3, **small)
-    b = build_model(tmp_path / "b", seed=3, **small)
-    c = build_model(tmp_path / "c", seed=4, **small)
+    small = ModelShape(hidden_size=32, num_layers=1)
+    a = build_model(tmp_path / "a", seed=3, shape=small)
+    b = build_model(tmp_path / "b", seed=3, shape=small)
+    c = build_model(tmp_path / "c", seed=4, shape=small)
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import click
 
+from stepline.engine.options import EngineOptions
+
 __all__ = ["engine_command"]
+
+
+def _default(name: str) -> Any:
+    return EngineOptions.model_fields[name].default
+
+
+def _help(name: str) -> str:
+    text = EngineOptions.model_fields[name].description or ""
+    return text[:1].upper() + text[1:] + "."
 
 
 @click.command("engine")
@@ -15,26 +27,23 @@ __all__ = ["engine_command"]
               help="HF model directory (e.g. from `stepline make-model`).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=30000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--max-running-requests", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Sequences decoded together in one batch; the rest wait.")
-@click.option("--context-length", default=None, type=click.IntRange(min=1),
-              help="Prompt + new tokens limit (default: the model's max_position_embeddings).")
-@click.option("--incremental-streaming-output", is_flag=True,
-              help="Stream only the new text/ids/logprobs in each chunk (SGLang's flag); default cumulative.")
-@click.option("--weight-version", default="0", show_default=True, help="Initial weight_version.")
+@click.option("--max-running-requests", "max_running", default=_default("max_running"), show_default=True,
+              type=click.IntRange(min=1), help=_help("max_running"))
+@click.option("--context-length", default=None, type=click.IntRange(min=1), help=_help("context_length"))
+@click.option("--incremental-streaming-output", "incremental_streaming", is_flag=True,
+              help=_help("incremental_streaming"))
+@click.option("--weight-version", default=_default("weight_version"), show_default=True,
+              help=_help("weight_version"))
 @click.option("--threads", default=None, type=click.IntRange(min=1), help="torch intra-op threads.")
-@click.option("--prefix-cache-mb", default=1024.0, show_default=True, type=click.FloatRange(min=0),
-              help="Memory for K/V of finished sequences, reused by prompts that extend them (0: off).")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
-              help="Weights and K/V dtype; bfloat16 is faster on CPUs with bf16 units, its logprobs less exact.")
+@click.option("--prefix-cache-mb", default=_default("prefix_cache_mb"), show_default=True,
+              type=click.FloatRange(min=0), help=_help("prefix_cache_mb"))
+@click.option("--dtype", default=_default("dtype"), show_default=True, type=click.Choice(["float32", "bfloat16"]),
+              help=_help("dtype"))
 @click.option("--control-token", default=lambda: os.environ.get("STEPLINE_ENGINE_TOKEN"),
-              help="Token the control endpoints (pause, abort, weight updates) require [env STEPLINE_ENGINE_TOKEN]; "
-                   "none: open to anyone who can reach the port.")
-@click.option("--read-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Seconds a client may take to send a request's headers, and then its body.")
-def engine_command(model_dir: Path, host: str, port: int, max_running_requests: int, context_length: int | None,
-                   incremental_streaming_output: bool, weight_version: str, threads: int | None,
-                   prefix_cache_mb: float, dtype: str, control_token: str | None, read_timeout: float) -> None:
+              help=_help("control_token") + " [env STEPLINE_ENGINE_TOKEN]")
+@click.option("--read-timeout", default=_default("read_timeout"), show_default=True, type=click.FloatRange(min=0.1),
+              help=_help("read_timeout"))
+def engine_command(model_dir: Path, host: str, port: int, threads: int | None, **options: Any) -> None:
     """Serve MODEL with SGLang's /generate API subset on CPU (HF transformers, continuous batching)."""
     import torch
     import uvicorn
@@ -42,13 +51,12 @@ def engine_command(model_dir: Path, host: str, port: int, max_running_requests: 
     from stepline.engine.limits import HeaderTimeoutH11
     from stepline.engine.server import create_app
 
+    engine = EngineOptions(**options)  # every other option is a field of the same name
     if threads:
         torch.set_num_threads(threads)
-    app = create_app(model_dir, incremental_streaming=incremental_streaming_output,
-                     max_running=max_running_requests, context_length=context_length, weight_version=weight_version,
-                     prefix_cache_mb=prefix_cache_mb, dtype=dtype, control_token=control_token,
-                     read_timeout=read_timeout)
+    app = create_app(model_dir, engine)
     click.echo(f"stepline engine: serving {model_dir} on http://{host}:{port}", err=True)
-    if control_token is None:
+    if engine.control_token is None:
         click.echo("stepline engine: no --control-token: pause, abort and weight updates are open to anyone", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", http=HeaderTimeoutH11.with_timeout(read_timeout))
+    uvicorn.run(app, host=host, port=port, log_level="warning",
+                http=HeaderTimeoutH11.with_timeout(engine.read_timeout))

@@ -32,7 +32,8 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stepline.engine.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT, BoundedBody, Control
+from stepline.engine.limits import BoundedBody, Control
+from stepline.engine.options import EngineOptions
 from stepline.engine.protocol import (
     AbortRequest,
     BadRequest,
@@ -57,31 +58,19 @@ def load_model(path: Path | str, dtype: str = "float32"):
     return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
 
 
-DEFAULT_PREFIX_CACHE_MB = 1024.0
-
-
-def create_app(model_dir: Path | str, *, incremental_streaming: bool = False, max_running: int = 64,
-               context_length: int | None = None, weight_version: str = "0",
-               prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, dtype: str = "float32",
-               control_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               read_timeout: float = DEFAULT_READ_TIMEOUT) -> FastAPI:
-    """The engine as an ASGI app; its scheduler thread runs while the app's lifespan does.
-
-    prefix_cache_mb bounds the K/V kept of finished sequences for later prompts that extend them (0: off);
-    dtype (float32 or bfloat16) is that of the weights and K/V, also for weights loaded later;
-    control_token (None: open) guards pause, abort, weight and version updates and the cache flush.
-    """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+def create_app(model_dir: Path | str, options: EngineOptions | None = None) -> FastAPI:
+    """The engine as an ASGI app with `options` (stepline.engine.options; None: the defaults); its scheduler
+    thread runs while the app's lifespan does."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = load_model(model_dir, dtype)
+    o = options or EngineOptions()
+    model = load_model(model_dir, o.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    scheduler = Scheduler(model, tokenizer, _eos_ids(model, tokenizer), weight_version, max_running,
-                          prefix_cache_bytes=int(prefix_cache_mb * 2**20))
-    state = _State(scheduler, tokenizer, str(model_dir), context_length or model.config.max_position_embeddings,
-                   incremental_streaming, dtype)
+    scheduler = Scheduler(model, tokenizer, _eos_ids(model, tokenizer), o.weight_version, o.max_running,
+                          prefix_cache_bytes=int(o.prefix_cache_mb * 2**20))
+    state = _State(scheduler, tokenizer, str(model_dir), o.context_length or model.config.max_position_embeddings,
+                   o.incremental_streaming, o.dtype)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -91,12 +80,12 @@ def create_app(model_dir: Path | str, *, incremental_streaming: bool = False, ma
 
     app = FastAPI(title="stepline engine", lifespan=lifespan)
     app.state.engine = state
-    app.state.control = Control(control_token)
+    app.state.control = Control(o.control_token)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BadRequest, _bad_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)  # FastAPI's own too (body parse errors)
     app.include_router(router)
-    app.add_middleware(BoundedBody, max_bytes=max_body_bytes, read_timeout=read_timeout)
+    app.add_middleware(BoundedBody, max_bytes=o.max_body_bytes, read_timeout=o.read_timeout)
     return app
 
 

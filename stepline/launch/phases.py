@@ -109,15 +109,16 @@ def smallest_group(rollout: RolloutConfig) -> int:
 
 
 def build_base_model(cfg: JobConfig, run: RunDir) -> Path:
-    from stepline.models import build_model
+    from stepline.models import ModelShape, build_model
 
     if cfg.model.dir is not None:
         return cfg.model.dir
     if not (run.base_model / "config.json").is_file():
         m = cfg.model
         seed = cfg.seed if m.seed is None else m.seed
-        build_model(run.base_model, kind=m.kind, seed=seed, hidden_size=m.hidden_size, num_layers=m.num_layers,
-                    num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, tie_embeddings=not m.vllm_compatible)
+        shape = ModelShape(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+                           num_kv_heads=m.num_kv_heads, tie_embeddings=not m.vllm_compatible)
+        build_model(run.base_model, kind=m.kind, seed=seed, shape=shape)
     return run.base_model
 
 

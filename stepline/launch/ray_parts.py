@@ -12,9 +12,12 @@ from __future__ import annotations
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stepline.launch.services import Child, start, stop_all, wait_healthy
+
+if TYPE_CHECKING:
+    from stepline.rollout.pacing import Pacing
 
 __all__ = ["WORKER_KEY", "RolloutPart", "ServicePart", "TrainerPart", "fill"]
 
@@ -130,14 +133,13 @@ class RolloutPart:
     """The rollout driver on one node, playing its share of the groups against its gateway."""
 
     def __init__(self, index: int, config: Any, gateway_url: str, admin_token: str, work_dir: Path, pool_url: str,
-                 batch_groups: int, ahead: int, max_batches: int, peers: int) -> None:
+                 pacing: Pacing) -> None:
         from stepline.datapool import open_pool
         from stepline.rollout.pacing import BackgroundRollouts
 
         self.pool = open_pool(pool_url)
-        self.rollouts = BackgroundRollouts(config, gateway_url, admin_token, work_dir, self.pool,
-                                           batch_groups=batch_groups, ahead=ahead, max_batches=max_batches,
-                                           peers=peers, metadata={WORKER_KEY: index})
+        self.rollouts = BackgroundRollouts(config, gateway_url, admin_token, work_dir, self.pool, pacing,
+                                           metadata={WORKER_KEY: index})
 
     def start(self) -> None:
         self.rollouts.start()

@@ -137,15 +137,16 @@ def train_on_ray(cfg: JobConfig, run: RunDir, tcfg: Any, placed: Placed, pool_ur
     import ray
 
     from stepline.launch.ray_parts import RolloutPart
+    from stepline.rollout.pacing import Pacing
 
     if cfg.rl_updates == 0:
         return 0
     c = cfg.cluster
     share = -(-tcfg.groups_per_update // c.rollout_workers)  # each worker's groups per batch (ceil)
+    pacing = Pacing(share, cfg.groups_ahead, cfg.rl_updates * cfg.max_batches_per_update, peers=c.rollout_workers)
     workers = [actor(RolloutPart, f"stepline-rollout-{i}", c.rollout).remote(
         i, cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + i}), placed.gateway_urls[i % c.gateways],
-        tcfg.admin_token, run.root / "episodes" / f"worker-{i}", pool_url, share, cfg.groups_ahead,
-        cfg.rl_updates * cfg.max_batches_per_update, c.rollout_workers) for i in range(c.rollout_workers)]
+        tcfg.admin_token, run.root / "episodes" / f"worker-{i}", pool_url, pacing) for i in range(c.rollout_workers)]
     rows: list[dict[str, Any]] = []
     lost = Lost(workers, placed, tcfg.admin_token, pool_url)
     try:

@@ -123,7 +123,7 @@ def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> int:
     time bound ends them; returns the updates done."""
     from stepline.datapool import open_pool
     from stepline.launch.progress import RLProgress
-    from stepline.rollout.pacing import BackgroundRollouts
+    from stepline.rollout.pacing import BackgroundRollouts, Pacing
     from stepline.trainer.loop import train
     from stepline.trainer.weight_sync import GatewayWeightSync
 
@@ -131,9 +131,8 @@ def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> int:
         return 0
     pool = open_pool(f"sqlite:///{run.pool_db}")
     sync = GatewayWeightSync(tcfg.gateway_url, tcfg.admin_token)
-    rollouts = BackgroundRollouts(cfg.rollout, tcfg.gateway_url, tcfg.admin_token, run.root / "episodes", pool,
-                                  batch_groups=tcfg.groups_per_update, ahead=cfg.groups_ahead,
-                                  max_batches=cfg.rl_updates * cfg.max_batches_per_update)
+    pacing = Pacing(tcfg.groups_per_update, cfg.groups_ahead, cfg.rl_updates * cfg.max_batches_per_update)
+    rollouts = BackgroundRollouts(cfg.rollout, tcfg.gateway_url, tcfg.admin_token, run.root / "episodes", pool, pacing)
     try:
         with RLProgress(run.rl / "metrics.jsonl", rollouts, cfg.rl_updates):
             rollouts.start()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +22,26 @@ from stepline.rollout.client import GatewayClient
 from stepline.rollout.config import RolloutConfig
 from stepline.rollout.driver import RolloutDriver
 
-__all__ = ["BackgroundRollouts"]
+__all__ = ["BackgroundRollouts", "Pacing"]
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """How far the rollouts may run ahead of the trainer (the module docstring)."""
+
+    batch_groups: int  # groups per batch
+    ahead: int  # finished batches that may wait unclaimed in the pool
+    max_batches: int | None = None  # then the driver stops (None: until stopped)
+    peers: int = 1  # drivers sharing the pool, each counting 1/peers of its taken groups
 
 
 class BackgroundRollouts:
     def __init__(self, config: RolloutConfig, gateway_url: str, admin_token: str, work_dir: Path, pool: Pool,
-                 batch_groups: int, ahead: int, max_batches: int | None = None, peers: int = 1,
-                 metadata: dict[str, Any] | None = None) -> None:
+                 pacing: Pacing, metadata: dict[str, Any] | None = None) -> None:
         self.config, self.gateway_url, self.admin_token = config, gateway_url, admin_token
         self.work_dir, self.pool = Path(work_dir), pool
-        self.batch_groups, self.ahead, self.max_batches = batch_groups, ahead, max_batches
-        self.peers = peers  # drivers sharing the pool, each counting 1/peers of its taken groups
+        self.batch_groups, self.ahead, self.max_batches = pacing.batch_groups, pacing.ahead, pacing.max_batches
+        self.peers = pacing.peers  # lowered by set_peers when a peer is lost
         self.metadata = dict(metadata or {})  # into every session's metadata (e.g. which rollout worker)
         self.driver: RolloutDriver | None = None
         self.history: list[dict[str, Any]] = []  # one row per finished episode, with its time

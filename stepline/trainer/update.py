@@ -31,6 +31,7 @@ from stepline.trainer.algorithms import (
     CLIP_RULES,
     POLICY_LOSSES,
     ClipInputs,
+    Segments,
     aggregate,
     clipped_value_loss,
     count_units,
@@ -298,10 +299,9 @@ def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, 
             obj.clip_low, obj.clip_high, old, adv, episode_ids, targets.outcome, targets.episode_group,
             segment_ids={"step": step_ids, "sequence": traj_ids}.get(obj.ratio), mask=mask, behaviour_logp=behaviour),
             **obj.clip_rule_args)
-        surrogate = POLICY_LOSSES[obj.policy_loss](logp, old, adv, level=obj.ratio, step_ids=step_ids,
-                                                   traj_ids=traj_ids, mask=mask, clip_low=clip.low,
-                                                   clip_high=clip.high, dual_clip=obj.dual_clip,
-                                                   **obj.policy_loss_args)
+        seg = Segments(obj.ratio, step_ids, traj_ids, mask)
+        surrogate = POLICY_LOSSES[obj.policy_loss](logp, old, adv, seg, clip_low=clip.low, clip_high=clip.high,
+                                                   dual_clip=obj.dual_clip, **obj.policy_loss_args)
         ratio = surrogate.ratio
         per_token = surrogate.loss
         for side, bound in (("clip_low_eps", clip.low), ("clip_high_eps", clip.high)):

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from stepline.engine.testing import running_engine
-from stepline.models import build_model
+from stepline.models import ModelShape, build_model
 
 # Seeded sampling, not greedy: a random tiny model with tied embeddings greedily repeats its last token
 # whatever the seed, while its sampled tokens follow the weights.
@@ -59,7 +59,7 @@ def test_failed_weight_load_keeps_serving_old_weights(own: httpx.Client, tmp_pat
     (tmp_path / "empty").mkdir()
     empty = own.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "empty")})
     assert empty.status_code == 400 and empty.json()["success"] is False
-    wider = build_model(tmp_path / "wider", hidden_size=32, num_layers=1)
+    wider = build_model(tmp_path / "wider", shape=ModelShape(hidden_size=32, num_layers=1))
     mismatch = own.post("/update_weights_from_disk", json={"model_path": str(wider)})
     assert mismatch.status_code == 400 and "architecture" in mismatch.json()["message"]
     assert seeded(own) == {**before, "meta_info": {**before["meta_info"],

@@ -23,7 +23,7 @@ import shutil
 import socket
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -67,7 +67,7 @@ class Backend:
 @pytest.fixture(scope="session")
 def contract_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("contract-models")
-    return tuple(build_model(root / name, seed=seed, **VLLM_SHAPE) for name, seed in (("a", 0), ("b", 1)))  # type: ignore[return-value]
+    return tuple(build_model(root / name, seed=seed, shape=VLLM_SHAPE) for name, seed in (("a", 0), ("b", 1)))  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +78,7 @@ def broken_checkpoints(contract_models, tmp_path_factory: pytest.TempPathFactory
     truncated = shutil.copytree(model_a, root / "truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) * 2 // 3])
-    other_shape = build_model(root / "other-shape", seed=0, **{**VLLM_SHAPE, "intermediate_size": 256})
+    other_shape = build_model(root / "other-shape", seed=0, shape=replace(VLLM_SHAPE, intermediate_size=256))
     return {"truncated": truncated, "other-shape": other_shape, "missing": root / "missing"}
 
 

@@ -169,7 +169,7 @@ async def test_failed_weight_update_raises_with_the_engine_message(http) -> None
 def untied_model_dir(tmp_path_factory) -> Path:
     from stepline.models import VLLM_SHAPE, build_model
 
-    return build_model(tmp_path_factory.mktemp("vllm-model") / "m", **VLLM_SHAPE)
+    return build_model(tmp_path_factory.mktemp("vllm-model") / "m", shape=VLLM_SHAPE)
 
 
 async def test_vllm_weight_update_loads_the_pushed_folder(http, untied_model_dir) -> None:
@@ -192,9 +192,10 @@ async def test_vllm_weight_update_loads_the_pushed_folder(http, untied_model_dir
 async def test_vllm_refuses_a_checkpoint_that_does_not_fit_before_vllm_sees_it(http, untied_model_dir, tmp_path) -> None:
     import shutil
 
-    from stepline.models import build_model
+    from stepline.models import ModelShape, build_model
 
-    wider = build_model(tmp_path / "wider", hidden_size=64, num_heads=2, num_kv_heads=1, tie_embeddings=False)
+    wider = build_model(tmp_path / "wider", shape=ModelShape(hidden_size=64, num_heads=2, num_kv_heads=1,
+                                                       tie_embeddings=False))
     truncated = shutil.copytree(untied_model_dir, tmp_path / "truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from stepline.datapool import open_pool
 from stepline.rollout.config import RolloutConfig
-from stepline.rollout.pacing import BackgroundRollouts
+from stepline.rollout.pacing import BackgroundRollouts, Pacing
 
 
 def test_stop_after_the_rollouts_ran_out(tmp_path: Path) -> None:
@@ -14,7 +14,7 @@ def test_stop_after_the_rollouts_ran_out(tmp_path: Path) -> None:
     try:
         # max_batches = 0: the thread ends at once and its event loop closes, as after the last batch of a job
         rollouts = BackgroundRollouts(RolloutConfig(), "http://127.0.0.1:9", "token", tmp_path / "episodes", pool,
-                                      batch_groups=1, ahead=1, max_batches=0)
+                                      Pacing(batch_groups=1, ahead=1, max_batches=0))
         rollouts.start()
         rollouts._thread.join(30)
         assert not rollouts._thread.is_alive() and rollouts.error is None

@@ -9,6 +9,7 @@ import torch
 
 from stepline.trainer.algorithms import (
     POLICY_LOSSES,
+    Segments,
     clipped_surrogate,
     icepop_weights,
     mis_weights,
@@ -23,7 +24,7 @@ LN = math.log
 def test_ppo_loss_is_the_clipped_surrogate_of_its_ratio_level() -> None:
     logp = torch.tensor([LN(1.5), LN(0.5)], requires_grad=True)
     adv = torch.tensor([1.0, -1.0])
-    s = ppo_loss(logp, torch.zeros(2), adv, level="token")
+    s = ppo_loss(logp, torch.zeros(2), adv)
     assert torch.allclose(s.loss, clipped_surrogate(torch.tensor([1.5, 0.5]), adv).loss)
     assert s.ratio.tolist() == pytest.approx([1.5, 0.5])
 
@@ -32,13 +33,13 @@ def test_cispo_clips_the_weight_and_keeps_every_gradient() -> None:
     # r = [1.5, 1, 0.5], A = [1, 1, -1]; w = sg(clip(r, 0.8, 1.28)) = [1.28, 1, 0.8]
     # L = −w·A·log π = [−1.28·ln 1.5, −1·0, 0.8·ln 0.5] = [−0.518987, 0, −0.554518]; dL/dlogp = −w·A
     logp = torch.tensor([LN(1.5), 0.0, LN(0.5)], requires_grad=True)
-    s = POLICY_LOSSES["cispo"](logp, torch.zeros(3), torch.tensor([1.0, 1.0, -1.0]), level="token")
+    s = POLICY_LOSSES["cispo"](logp, torch.zeros(3), torch.tensor([1.0, 1.0, -1.0]))
     s.loss.sum().backward()
     assert s.loss.tolist() == pytest.approx([-1.28 * LN(1.5), 0.0, 0.8 * LN(0.5)], abs=1e-6)
     assert logp.grad.tolist() == pytest.approx([-1.28, -1.0, 0.8])  # PPO would give 0 for tokens 0 and 2
     assert s.clipped.tolist() == [True, False, True]
     with pytest.raises(ValueError, match="dual_clip"):
-        POLICY_LOSSES["cispo"](logp, torch.zeros(3), torch.ones(3), level="token", dual_clip=3.0)
+        POLICY_LOSSES["cispo"](logp, torch.zeros(3), torch.ones(3), dual_clip=3.0)
 
 
 def test_gmpo_geometric_mean_of_log_space_clipped_ratios() -> None:
@@ -46,19 +47,20 @@ def test_gmpo_geometric_mean_of_log_space_clipped_ratios() -> None:
     # A = +1, log r = [0.6, −0.1], ε = 0.4: ℓ = [min(0.6, 0.4), −0.1] = [0.4, −0.1]; mean 0.15
     # ρ = e^0.15 = 1.161834, L = −ρ per token; d(ΣL)/dlogp = [0 (clipped), −2·ρ/2] = [0, −1.161834]
     logp = torch.tensor([0.6, -0.1], requires_grad=True)
-    s = POLICY_LOSSES["gmpo"](logp, torch.zeros(2), torch.ones(2), level="sequence", traj_ids=traj,
+    s = POLICY_LOSSES["gmpo"](logp, torch.zeros(2), torch.ones(2), Segments("sequence", traj_ids=traj),
                               clip_low=0.4, clip_high=0.4)
     s.loss.sum().backward()
     assert s.loss.tolist() == pytest.approx([-math.exp(0.15)] * 2)
     assert logp.grad.tolist() == pytest.approx([0.0, -math.exp(0.15)])
     assert s.clipped.tolist() == [True, False]
     # A = −1, log r = [−0.6, 0.1]: ℓ = max(log r, clip) = [−0.4, 0.1]; mean −0.15; L = +e^−0.15 = 0.860708
-    neg = POLICY_LOSSES["gmpo"](torch.tensor([-0.6, 0.1]), torch.zeros(2), -torch.ones(2), level="sequence",
-                                traj_ids=traj, clip_low=0.4, clip_high=0.4)
+    per_traj = Segments("sequence", traj_ids=traj)
+    neg = POLICY_LOSSES["gmpo"](torch.tensor([-0.6, 0.1]), torch.zeros(2), -torch.ones(2), per_traj,
+                                clip_low=0.4, clip_high=0.4)
     assert neg.loss.tolist() == pytest.approx([math.exp(-0.15)] * 2)
     # the A < 0 side is not clipped upwards: log r = [0.6, −0.1] keeps 0.6; mean 0.25 -> L = e^0.25 = 1.284025
-    up = POLICY_LOSSES["gmpo"](torch.tensor([0.6, -0.1]), torch.zeros(2), -torch.ones(2), level="sequence",
-                               traj_ids=traj, clip_low=0.4, clip_high=0.4)
+    up = POLICY_LOSSES["gmpo"](torch.tensor([0.6, -0.1]), torch.zeros(2), -torch.ones(2), per_traj,
+                               clip_low=0.4, clip_high=0.4)
     assert up.loss.tolist() == pytest.approx([math.exp(0.25)] * 2)
 
 

@@ -18,6 +18,7 @@ from stepline.trainer.algorithms import (
     RATIOS,
     AdvantageInputs,
     ClipInputs,
+    Segments,
     gapo_clip_high,
     information_gain,
 )
@@ -151,7 +152,7 @@ def test_gapo_widens_the_upper_clip_for_rare_correct_rollouts() -> None:
                     episode_group=group)
     bounds = CLIP_RULES["gapo"](c, clip_max=0.4)
     logp = torch.full((2,), LN(1.35), requires_grad=True)
-    s = POLICY_LOSSES["ppo"](logp, torch.zeros(2), torch.ones(2), level="token", clip_low=bounds.low,
+    s = POLICY_LOSSES["ppo"](logp, torch.zeros(2), torch.ones(2), clip_low=bounds.low,
                              clip_high=bounds.high)
     s.loss.sum().backward()
     assert s.loss.tolist() == pytest.approx([-1.35, -(1.2 + 0.2 / 3)])
@@ -164,7 +165,7 @@ def test_ripo_clip_scales_with_one_over_sqrt_of_the_old_probability() -> None:
     bounds = CLIP_RULES["ripo"](clip_inputs(old, torch.ones(2)), delta=0.02)
     assert bounds.high.tolist() == pytest.approx([math.sqrt(2), 0.2])
     # r = 2, A = 1: the rare token is inside its region (2 < 2.414), the common one is clipped at 1.2
-    s = POLICY_LOSSES["ppo"](old + LN(2), old, torch.ones(2), level="token", clip_low=bounds.low, clip_high=bounds.high)
+    s = POLICY_LOSSES["ppo"](old + LN(2), old, torch.ones(2), clip_low=bounds.low, clip_high=bounds.high)
     assert s.loss.tolist() == pytest.approx([-2.0, -1.2])
     # per step the old probability is the step's geometric mean: sqrt(0.01·0.5) = 0.070711 -> ε = 0.531829
     steps = CLIP_RULES["ripo"](clip_inputs(old, torch.ones(2), segment_ids=torch.zeros(2, dtype=torch.long)))
@@ -197,7 +198,7 @@ def test_dppo_masks_tokens_that_moved_more_than_delta_outwards() -> None:
     assert s.loss.tolist() == pytest.approx([-1.4, -1.1, 1.4, 0.6])
     assert logp.grad.tolist() == pytest.approx([0.0, -1.1, 1.4, 0.0])
     with pytest.raises(ValueError, match="ratio 'token'"):
-        POLICY_LOSSES["dppo"](logp, logp.detach(), torch.ones(4), level="step", step_ids=torch.zeros(4).long())
+        POLICY_LOSSES["dppo"](logp, logp.detach(), torch.ones(4), Segments("step", step_ids=torch.zeros(4).long()))
 
 
 def test_drpo_gradient_fades_to_zero_at_the_tv_boundary_and_reverses_beyond() -> None:
@@ -224,7 +225,7 @@ def test_cppo_position_weights_and_prefix_budget() -> None:
     #   inwards (π < π_old with A > 0) -> kept
     logp = torch.log(torch.tensor([0.58, 0.62, 0.68, 0.62, 0.45])).requires_grad_()
     traj = torch.tensor([0, 0, 0, 1, 1])
-    s = POLICY_LOSSES["cppo"](logp, torch.full((5,), LN(0.5)), torch.ones(5), traj_ids=traj, delta=0.1,
+    s = POLICY_LOSSES["cppo"](logp, torch.full((5,), LN(0.5)), torch.ones(5), Segments(traj_ids=traj), delta=0.1,
                               min_weight=0.5, prefix_delta=0.1)
     assert s.clipped.tolist() == [False, False, True, True, False]
     dppo = POLICY_LOSSES["dppo"](logp, torch.full((5,), LN(0.5)), torch.ones(5), delta=0.1)

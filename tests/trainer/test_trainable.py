@@ -23,9 +23,9 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def four_layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with 4 layers, so that 'the top 2' leaves two frozen below them."""
-    from stepline.models import build_model
+    from stepline.models import ModelShape, build_model
 
-    return build_model(tmp_path_factory.mktemp("models") / "tiny4", kind="tiny", num_layers=4, seed=0)
+    return build_model(tmp_path_factory.mktemp("models") / "tiny4", kind="tiny", seed=0, shape=ModelShape(num_layers=4))
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -29,6 +29,8 @@ from stepline.trainer.algorithms.corrections import (
 )
 from stepline.trainer.algorithms.losses import (
     AGGREGATIONS,
+    TOKENS,
+    Segments,
     Surrogate,
     aggregate,
     clamp_ratio,
@@ -86,6 +88,8 @@ __all__ = [
     "token_logprobs_from_logits",
     "truncated_is_weights",
     "AGGREGATIONS",
+    "TOKENS",
+    "Segments",
     "Surrogate",
     "aggregate",
     "clamp_ratio",

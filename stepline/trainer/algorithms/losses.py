@@ -8,6 +8,7 @@ many steps or forks weighs the same as a short one (docs/architecture.md §3).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -21,6 +22,20 @@ class Surrogate(NamedTuple):
     clipped: Tensor  # bool [N]: the PPO clip was active (A>0 & r>1+ε_high, or A<0 & r<1−ε_low): no gradient
     dual_clipped: Tensor  # bool [N]: A<0 & r>c: the loss is capped at −c·A, no gradient
     ratio: Tensor | None = None  # float [N]: the ratio the loss used, for logging (set by POLICY_LOSSES)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The units a policy loss forms its ratio over: each of the N action tokens' step and trajectory, and the
+    tokens that count. Every policy loss takes one (POLICY_LOSSES); the default is per token, unmasked."""
+
+    level: str = "token"  # the ratio's unit, a key of RATIOS: token | step | sequence
+    step_ids: Tensor | None = None  # long [N]: the token's step (level "step")
+    traj_ids: Tensor | None = None  # long [N]: the token's trajectory (level "sequence"; cppo's prefixes)
+    mask: Tensor | None = None  # bool [N]: tokens that count (None: all)
+
+
+TOKENS = Segments()  # per token, every token counts
 
 
 def clamp_ratio(ratio: Tensor, clip_low: float | Tensor, clip_high: float | Tensor) -> Tensor:

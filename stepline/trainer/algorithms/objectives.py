@@ -1,9 +1,9 @@
 """Policy losses by name (PPO's clipped surrogate, CISPO, GMPO; DPPO, DRPO, CPPO from trust_regions.py)
 and SAPO's conditional KL term.
 
-Every registered loss: `fn(logp [N], old_logp [N], advantages [N], *, level, step_ids, traj_ids, mask,
-clip_low, clip_high, dual_clip) -> Surrogate` with a per-token loss [N] to aggregate; `level` is the
-ratio level of RATIOS (token | step | sequence), so each loss works per token, per step or per trajectory.
+Every registered loss: `fn(logp [N], old_logp [N], advantages [N], seg: Segments, *, clip_low, clip_high,
+dual_clip) -> Surrogate` with a per-token loss [N] to aggregate; `seg.level` is the ratio level of RATIOS
+(token | step | sequence), so each loss works per token, per step or per trajectory.
 Advantages are constants; gradients flow through `logp` only. ε_low/ε_high may be per-token tensors [N]
 (CLIP_RULES); a loss's own hyper-parameters (δ of dppo, ...) come as further keywords (policy_loss_args).
 """
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from stepline.trainer.algorithms._segments import segment_mean
-from stepline.trainer.algorithms.losses import Surrogate, clamp_ratio, clipped_surrogate
+from stepline.trainer.algorithms.losses import TOKENS, Segments, Surrogate, clamp_ratio, clipped_surrogate
 from stepline.trainer.algorithms.ratios import LOG_RATIO_LIMIT, RATIOS, SEGMENT_LOG_RATIO_CAP
 from stepline.trainer.algorithms.trust_regions import Bound, cppo_loss, dppo_loss, drpo_loss
 
@@ -25,20 +25,18 @@ _SEGMENT = {"step": "step_ids", "sequence": "traj_ids"}
 
 
 def ppo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, *, level: str = "step", step_ids: Tensor | None = None,
-    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: Bound = 0.2, clip_high: Bound = 0.28,
-    dual_clip: float | None = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, seg: Segments = TOKENS, *,
+    clip_low: Bound = 0.2, clip_high: Bound = 0.28, dual_clip: float | None = None,
 ) -> Surrogate:
-    """PPO/DAPO clipped surrogate on the ratio of `level` (see `clipped_surrogate` for the formula)."""
-    ratio = RATIOS[level](logp, old_logp, step_ids=step_ids, traj_ids=traj_ids, mask=mask)
+    """PPO/DAPO clipped surrogate on the ratio of `seg.level` (see `clipped_surrogate` for the formula)."""
+    ratio = segment_ratio(logp, old_logp, seg)
     s = clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
     return s._replace(ratio=ratio)
 
 
 def cispo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, *, level: str = "token", step_ids: Tensor | None = None,
-    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: Bound = 0.2, clip_high: Bound = 0.28,
-    dual_clip: float | None = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, seg: Segments = TOKENS, *,
+    clip_low: Bound = 0.2, clip_high: Bound = 0.28, dual_clip: float | None = None,
 ) -> Surrogate:
     """CISPO (MiniMax-M1, arXiv:2506.13585; verl's "cispo"): clip the importance weight, not the update.
 
@@ -48,7 +46,7 @@ def cispo_loss(
     """
     if dual_clip is not None:
         raise ValueError("dual_clip applies to the ppo loss only")
-    ratio = RATIOS[level](logp, old_logp, step_ids=step_ids, traj_ids=traj_ids, mask=mask)
+    ratio = segment_ratio(logp, old_logp, seg)
     weight = clamp_ratio(ratio.detach(), clip_low, clip_high)
     loss = -weight * advantages.detach() * logp
     clipped = weight != ratio.detach()
@@ -56,9 +54,8 @@ def cispo_loss(
 
 
 def gmpo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, *, level: str = "sequence", step_ids: Tensor | None = None,
-    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: Bound = 0.4, clip_high: Bound = 0.4,
-    dual_clip: float | None = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, seg: Segments = TOKENS, *,
+    clip_low: Bound = 0.4, clip_high: Bound = 0.4, dual_clip: float | None = None,
 ) -> Surrogate:
     """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv:2507.20673; verl's "geo_mean").
 
@@ -77,16 +74,21 @@ def gmpo_loss(
     sgn = torch.sign(adv)
     bounded = _clamp_log(log_r, clip_low, clip_high)
     ell = sgn * torch.minimum(sgn * log_r, sgn * bounded)
-    if level == "token" or logp.numel() == 0:
+    if seg.level == "token" or logp.numel() == 0:
         mean = ell
     else:
-        seg = {"step_ids": step_ids, "traj_ids": traj_ids}[_SEGMENT[level]]
-        if seg is None:
-            raise ValueError(f"gmpo at level {level!r} needs {_SEGMENT[level]}")
-        mean = segment_mean(ell, seg, int(seg.max()) + 1, mask)[seg]
+        ids = {"step": seg.step_ids, "sequence": seg.traj_ids}[seg.level]
+        if ids is None:
+            raise ValueError(f"gmpo at level {seg.level!r} needs {_SEGMENT[seg.level]}")
+        mean = segment_mean(ell, ids, int(ids.max()) + 1, seg.mask)[ids]
     ratio = torch.exp(mean.clamp(max=SEGMENT_LOG_RATIO_CAP))
     clipped = (ell != log_r) & (sgn != 0)
     return Surrogate(-adv * ratio, clipped, torch.zeros_like(clipped), ratio)
+
+
+def segment_ratio(logp: Tensor, old_logp: Tensor, seg: Segments) -> Tensor:
+    """The ratio [N] at the segments' level (RATIOS)."""
+    return RATIOS[seg.level](logp, old_logp, step_ids=seg.step_ids, traj_ids=seg.traj_ids, mask=seg.mask)
 
 
 def _clamp_log(log_r: Tensor, clip_low: Bound, clip_high: Bound) -> Tensor:
@@ -101,7 +103,7 @@ POLICY_LOSSES: dict[str, Callable[..., Surrogate]] = {
     "ppo": ppo_loss, "cispo": cispo_loss, "gmpo": gmpo_loss, "dppo": dppo_loss, "drpo": drpo_loss, "cppo": cppo_loss,
 }
 # keyword arguments every policy loss receives from the update; the others are the loss's own policy_loss_args
-COMMON_LOSS_ARGS = frozenset({"level", "step_ids", "traj_ids", "mask", "clip_low", "clip_high", "dual_clip"})
+COMMON_LOSS_ARGS = frozenset({"clip_low", "clip_high", "dual_clip"})
 
 
 def sapo_kl_term(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, tau: float = 1.0) -> Tensor:

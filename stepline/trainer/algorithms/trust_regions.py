@@ -6,8 +6,8 @@ position-weighted prefix budget).
 Clip rules: `CLIP_RULES[name](c: ClipInputs, **hyper) -> ClipBounds` with ε_low, ε_high as floats or
 tensors [N]; the clipping losses (ppo, cispo, gmpo) accept either. Within a step or sequence ratio the
 bounds are constant over the unit (they are computed from the unit's mean), so it still clips as one.
-Divergence losses: `fn(logp, old_logp, advantages, *, level="token", ...) -> Surrogate`, registered in
-POLICY_LOSSES; their binary total variation of a sampled token y is |π_θ(y) − π_old(y)| (the TV distance
+Divergence losses: `fn(logp, old_logp, advantages, seg, *, ...) -> Surrogate` (seg.level "token"),
+registered in POLICY_LOSSES; their binary total variation of a sampled token y is |π_θ(y) − π_old(y)| (the TV distance
 of the two-outcome distributions {y, not y}). Sources are the summaries in the issue's seed file 003.
 """
 
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from stepline.trainer.algorithms._segments import compact, segment_count, segment_cumsum, segment_mean, segment_sum
-from stepline.trainer.algorithms.losses import Surrogate
+from stepline.trainer.algorithms.losses import TOKENS, Segments, Surrogate
 from stepline.trainer.algorithms.ratios import LOG_RATIO_LIMIT
 
 Bound = float | Tensor
@@ -170,9 +170,8 @@ def _shift(logp: Tensor, old_logp: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def dppo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, *, level: str = "token", step_ids: Tensor | None = None,
-    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: Bound = 0.2, clip_high: Bound = 0.28,
-    dual_clip: float | None = None, delta: float = 0.1,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, seg: Segments = TOKENS, *,
+    clip_low: Bound = 0.2, clip_high: Bound = 0.28, dual_clip: float | None = None, delta: float = 0.1,
 ) -> Surrogate:
     """DPPO's binary-TV trust region (Qi et al. 2026, "Rethinking the Trust Region in LLM RL", arXiv:2602.04879;
     the base of DRPO and CPPO in seed summary 003): the ratio is not clipped; instead a token loses its
@@ -181,7 +180,7 @@ def dppo_loss(
     L_t = −r_t A_t · (1 − M_t),   M_t = sg( 1[ sgn(A_t) · (π_θ(y_t) − π_old(y_t)) > δ ] )
     (clip_low/clip_high are unused.) [N] -> Surrogate; `clipped` = M.
     """
-    _per_token(level, "dppo")
+    _per_token(seg.level, "dppo")
     if dual_clip is not None:
         raise ValueError("dual_clip applies to the ppo loss only")
     ratio, _, shift = _shift(logp, old_logp)
@@ -192,9 +191,8 @@ def dppo_loss(
 
 
 def drpo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, *, level: str = "token", step_ids: Tensor | None = None,
-    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: Bound = 0.2, clip_high: Bound = 0.28,
-    dual_clip: float | None = None, delta: float = 0.1,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, seg: Segments = TOKENS, *,
+    clip_low: Bound = 0.2, clip_high: Bound = 0.28, dual_clip: float | None = None, delta: float = 0.1,
 ) -> Surrogate:
     """DRPO, divergence-regularised policy optimisation (Yao et al. 2026, arXiv:2606.09821; seed summary 003):
     DPPO's hard mask replaced by a smooth, |A|-weighted quadratic regulariser on the binary-TV shift:
@@ -205,7 +203,7 @@ def drpo_loss(
     boundary independent of the reward scale. The coefficient 1/(2δπ_old) is our choice that puts the zero
     of the gradient on DPPO's boundary (the summary gives the form, not the constant). `clipped`: beyond it.
     """
-    _per_token(level, "drpo")
+    _per_token(seg.level, "drpo")
     if dual_clip is not None:
         raise ValueError("dual_clip applies to the ppo loss only")
     ratio, old_p, shift = _shift(logp, old_logp)
@@ -216,9 +214,8 @@ def drpo_loss(
 
 
 def cppo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, *, level: str = "token", step_ids: Tensor | None = None,
-    traj_ids: Tensor | None = None, mask: Tensor | None = None, clip_low: Bound = 0.2, clip_high: Bound = 0.28,
-    dual_clip: float | None = None, delta: float = 0.1, min_weight: float = 0.5, prefix_delta: float = 0.05,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, seg: Segments = TOKENS, *,
+    clip_low: Bound = 0.2, clip_high: Bound = 0.28, dual_clip: float | None = None, delta: float = 0.1, min_weight: float = 0.5, prefix_delta: float = 0.05,
 ) -> Surrogate:
     """CPPO, cumulative prefix-divergence policy optimisation ("Beyond Uniform Token-Level Trust Region";
     seed summary 003): DPPO's mask with a position-weighted threshold and a cumulative prefix budget.
@@ -230,9 +227,10 @@ def cppo_loss(
     Early tokens, whose drift every later token inherits, face the tight δ; late ones δ / w_min; and once the
     prefix has drifted by δ_b on average, every further outward update of the trajectory is masked.
     """
-    _per_token(level, "cppo")
+    _per_token(seg.level, "cppo")
     if dual_clip is not None:
         raise ValueError("dual_clip applies to the ppo loss only")
+    traj_ids, mask = seg.traj_ids, seg.mask
     if traj_ids is None:
         raise ValueError("cppo needs traj_ids (positions and prefixes are per trajectory)")
     ratio, _, shift = _shift(logp, old_logp)
@@ -240,8 +238,8 @@ def cppo_loss(
     sel = torch.ones_like(shift, dtype=torch.bool) if mask is None else mask.bool()
     ones = sel.to(shift.dtype)
     position = segment_cumsum(ones, traj_ids) - 1
-    seg, num = compact(traj_ids)
-    length = segment_sum(ones, seg, num)[seg]
+    unit, num = compact(traj_ids)
+    length = segment_sum(ones, unit, num)[unit]
     weight = 1 - (1 - min_weight) * position / (length - 1).clamp(min=1)
     weighted = torch.where(sel, weight * shift.abs(), torch.zeros_like(shift))
     weight_sum = segment_cumsum(torch.where(sel, weight, torch.zeros_like(weight)), traj_ids)
