@@ -229,9 +229,9 @@ def make_model_command(out: Path, kind: ModelKind, seed: int, hidden_size: int |
     from stepline.assets import AssetUnavailable
 
     hf_logging.disable_progress_bar()
-    given = {"hidden_size": hidden_size, "num_heads": num_heads, "num_kv_heads": num_kv_heads}
-    shape = replace(VLLM_SHAPE if vllm_compatible else DEFAULT_SHAPE, num_layers=num_layers,
-                    **{k: v for k, v in given.items() if v is not None})
+    base = VLLM_SHAPE if vllm_compatible else DEFAULT_SHAPE
+    shape = replace(base, num_layers=num_layers, hidden_size=hidden_size or base.hidden_size,
+                    num_heads=num_heads or base.num_heads, num_kv_heads=num_kv_heads or base.num_kv_heads)
     try:
         if vllm_compatible and kind != "smollm2-135m":
             check_vllm_shape(shape.hidden_size, shape.num_heads)

@@ -180,3 +180,21 @@ def test_no_import_circles() -> None:
     assert len(graph) > 100 and "stepline.rollout.trees" in graph["stepline.rollout.driver"]
     assert circles(graph) == []
 
+
+
+MAX_PARAMETERS = 10  # beyond this a record is missing (docs/architecture.md, Layout)
+
+
+def test_no_function_takes_more_than_ten_parameters() -> None:
+    """Counting every parameter but self/cls, *args and **kwargs included."""
+    long = []
+    for _, path in modules():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                named = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+                count = len(named) + (a.vararg is not None) + (a.kwarg is not None)
+                count -= bool(named) and named[0].arg in ("self", "cls")
+                if count > MAX_PARAMETERS:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({count})")
+    assert not long, long

@@ -7,7 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from stepline.launch.job import ServicesSection
-from stepline.launch.services import engine_spec
+from stepline.launch.wiring import engine_spec
 from stepline.trainer.config import TrainerConfig
 from stepline.trainer.precision import fast_bf16, resolve_bf16
 

@@ -50,7 +50,7 @@ def test_the_commands_accept_what_the_specs_write(tmp_path: Path) -> None:
 
 
 def test_the_job_engine_is_the_services_table() -> None:
-    from stepline.launch.services import engine_spec
+    from stepline.launch.wiring import engine_spec
 
     svc = JobConfig.model_validate({"services": {"context_length": 256, "engine_threads": 3,
                                                  "prefix_cache_mb": 0}}).services

@@ -21,10 +21,9 @@ import orjson
 from fastapi import HTTPException, Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["BoundedBody", "Control", "HeaderTimeoutH11"]
+from stepline.engine.options import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
 
-DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-DEFAULT_READ_TIMEOUT = 30.0
+__all__ = ["BoundedBody", "Control", "HeaderTimeoutH11"]
 
 
 class _TooLarge(Exception):

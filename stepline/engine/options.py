@@ -11,9 +11,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stepline.engine.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_READ_TIMEOUT", "EngineOptions"]
 
-__all__ = ["EngineOptions"]
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # also the bound of stepline.engine.limits.BoundedBody used alone
+DEFAULT_READ_TIMEOUT = 30.0
 
 
 class EngineOptions(BaseModel):

@@ -163,7 +163,8 @@ async def running_gateway(
     "written at the next start; answers wait until each call is in the pool or this file.",
 )
 @click.option("--engine-timeout", default=600.0, show_default=True, help="Seconds an engine call may take.")
-@click.option("--session-idle-timeout", default=24 * 3600.0, show_default=True,
+@click.option("--session-idle-timeout", default=GatewaySettings.model_fields["session_idle_timeout"].default,
+              show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Open sessions without a call for this long end as abandoned (and, at start, the pool's open "
               "sessions created longer ago: those a killed gateway left behind).")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")

@@ -25,6 +25,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, model_validator
 
+from stepline.engine.options import EngineOptions
+from stepline.gateway.config import GatewaySettings
 from stepline.models import check_vllm_shape
 from stepline.rollout.config import RolloutConfig
 from stepline.trainer.config import TrainerConfig
@@ -104,24 +106,42 @@ class SFTSection(_Section):
     trainer: TrainerTable = Field(default_factory=dict, description="TrainerConfig fields for the SFT pass")
 
 
+def _engine_default(name: str) -> Any:
+    return EngineOptions.model_fields[name].default
+
+
+def _gateway_default(name: str) -> Any:
+    return GatewaySettings.model_fields[name].default
+
+
 class ServicesSection(_Section):
+    """The engine and gateway settings every launcher passes on (stepline.launch.wiring); where the engine or the
+    gateway has its own default, the field's default is that one."""
+
     engine_url: str | None = Field(None, description="use this running engine instead of starting one")
     engine_kind: Literal["builtin", "sglang", "vllm"] = Field(
-        "builtin", description="engine_url's adapter; without engine_url the engine the job starts on its policy: "
-        "builtin, or vllm (from vllm_python)")
+        "builtin", description="the engine's wire format: of engine_url's engine, else of the one started on the "
+        "policy (builtin, or vllm from vllm_python; sglang needs engine_url, or cluster.engine_command under --ray)")
     vllm_python: str | None = Field(None, description="python of the environment with vLLM installed, for "
                                     "engine_kind = vllm (None: $STEPLINE_VLLM_PYTHON)")
     vllm_args: list[str] = Field(default_factory=list, description="more arguments of the vLLM server the job "
                                  "starts, e.g. [\"--max-num-seqs\", \"16\"]")
     vllm_kv_cache_gib: int = Field(1, ge=1, description="KV cache of the vLLM server the job starts, GiB "
                                    "(VLLM_CPU_KVCACHE_SPACE)")
-    context_length: int | None = Field(None, ge=1, description="prompt + output token limit of the engine the job "
-                                       "starts (None: the model's)")
+    context_length: int | None = Field(None, ge=1, description="prompt + output token limit of the engine started "
+                                       "and of the gateway (None: the model's; the gateway lowers it to the "
+                                       "engine's own limit)")
     startup_timeout_s: float = Field(180.0, gt=0, description="seconds each service may take to become healthy")
+    session_idle_timeout: float = Field(
+        _gateway_default("session_idle_timeout"), gt=0, description="the gateway's: open sessions without a call "
+        "for this long end as abandoned, and at start the pool's open sessions created longer ago (those a killed "
+        "launcher left behind)")
     engine_dtype: Literal["float32", "bfloat16", "auto"] = Field(
-        "float32", description="weights of the built-in engine; auto: bfloat16 where this CPU has bf16 units")
+        _engine_default("dtype"), description="weights of the built-in engine; auto: bfloat16 where this CPU has "
+        "bf16 units")
     engine_threads: int | None = Field(None, ge=1, description="torch threads of the built-in engine (None: torch's)")
-    prefix_cache_mb: float = Field(1024.0, ge=0, description="built-in engine's prefix cache bound (0: off)")
+    prefix_cache_mb: float = Field(_engine_default("prefix_cache_mb"), ge=0,
+                                   description="built-in engine's prefix cache bound (0: off)")
 
 
 class PoolSection(_Section):

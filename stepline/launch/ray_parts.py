@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stepline.launch.services import Child, start, stop_all, wait_healthy
+from stepline.launch.services import Child, fill, start, stop_all, wait_healthy
 
 if TYPE_CHECKING:
     from stepline.rollout.pacing import Pacing
@@ -37,24 +37,13 @@ def free_port_on(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def fill(argv: list[str], values: dict[str, str]) -> list[str]:
-    """Replace `{name}` placeholders in each argument (a plain replace: other braces stay as they are)."""
-    out = []
-    for arg in argv:
-        for name, value in values.items():
-            arg = arg.replace("{" + name + "}", value)
-        out.append(arg)
-    return out
-
-
 class ServicePart:
     """One service process (`argv` with {host} {port} placeholders) on this actor's node, dying with it. With
     `restarts` > 0 the actor watches it and starts it again on the same address when it exits on its own, at
     most `restarts` times (each logged in its log and counted in `restarted`)."""
 
-    def __init__(self, name: str, argv: list[str], logs: Path, env: dict[str, str], model: str = "",
-                 restarts: int = 0) -> None:
-        self.name, self.argv, self.logs, self.env, self.model = name, argv, Path(logs), env, model
+    def __init__(self, name: str, argv: list[str], logs: Path, env: dict[str, str], restarts: int = 0) -> None:
+        self.name, self.argv, self.logs, self.env = name, argv, Path(logs), env
         self.restarts, self.restarted = restarts, 0
         self.child: Child | None = None
         self.url = ""
@@ -66,7 +55,7 @@ class ServicePart:
         """Start the process, wait for /health; the service's base URL."""
         host = node_ip()
         port = free_port_on(host)
-        self._argv = fill(self.argv, {"host": host, "port": str(port), "model": self.model})
+        self._argv = fill(self.argv, {"host": host, "port": str(port)})
         self.logs.mkdir(parents=True, exist_ok=True)
         self.url = f"http://{host}:{port}"
         self.child = self._spawn()

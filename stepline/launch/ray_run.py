@@ -29,7 +29,7 @@ import click
 
 from stepline.launch.job import JobConfig, JobError, PartResources
 from stepline.launch.phases import RunDir, evaluate_once, rl_seconds_left, save_rollouts, warm_started, write_summary
-from stepline.launch.services import engine_spec
+from stepline.launch.wiring import ProcessSpec, job_system, processes
 
 __all__ = ["run_ray_job"]
 
@@ -92,29 +92,39 @@ def actor(cls: type, name: str, part: PartResources) -> Any:
                                    resources=dict(part.resources), scheduling_strategy="SPREAD")
 
 
+def cluster_processes(cfg: JobConfig, run: RunDir, policy: Path, pool_url: str) -> list[ProcessSpec]:
+    """The job's processes on the cluster (stepline.launch.wiring, with the [cluster] table's counts)."""
+    try:
+        return processes(job_system(cfg, policy, pool_url, run.root, cfg.cluster))
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+
+
 @contextmanager
 def placed_services(cfg: JobConfig, run: RunDir, policy: Path, token: str, pool_url: str) -> Iterator[Placed]:
     """Engine replicas, then the gateways over them; on exit gateways stop first (they flush), then engines."""
     import ray
 
     from stepline.launch.ray_parts import ServicePart
-    from stepline.launch.services import GatewaySpec, engine_token
+    from stepline.launch.services import engine_token
 
     c, placed = cfg.cluster, Placed()
-    env = {"STEPLINE_ENGINE_TOKEN": engine_token()}
+    secrets = {"STEPLINE_ENGINE_TOKEN": engine_token()}
+    values = {"admin_token": token, "engine_token": secrets["STEPLINE_ENGINE_TOKEN"]}
     timeout = cfg.services.startup_timeout_s
+    specs = cluster_processes(cfg, run, policy, pool_url)
+
+    def place(spec: ProcessSpec, part: PartResources, restarts: int = 0) -> Any:
+        argv, env = spec.filled(values)
+        return actor(ServicePart, f"stepline-{spec.role}-{spec.index}", part).remote(
+            spec.name, argv, run.logs, {**secrets, **env}, restarts=restarts)
+
     try:
-        for i in range(c.engines):
-            placed.engines.append(actor(ServicePart, f"stepline-engine-{i}", c.engine).remote(
-                f"engine-{i}", engine_command(cfg, policy), run.logs, env, str(policy), c.engine_restarts))
+        engines = [s for s in specs if s.role == "engine"]
+        placed.engines = [place(s, c.engine, c.engine_restarts) for s in engines]
         placed.engine_urls = ray.get([e.start.remote(timeout) for e in placed.engines])
-        share = c.engines // c.gateways
-        kind = cfg.services.engine_kind if c.engine_command else "builtin"
-        for g in range(c.gateways):
-            spec = GatewaySpec(tuple(placed.engine_urls[g * share:(g + 1) * share]), policy, pool_url, "{port}", kind,
-                               host="{host}", spill=run.root / f"gateway-{g}.spill")
-            placed.gateways.append(actor(ServicePart, f"stepline-gateway-{g}", c.gateway).remote(
-                f"gateway-{g}", spec.to_argv(), run.logs, {**env, "STEPLINE_ADMIN_TOKEN": token}))
+        values |= {f"url:{s.name}": url for s, url in zip(engines, placed.engine_urls, strict=True)}
+        placed.gateways = [place(s, c.gateway) for s in specs if s.role == "gateway"]
         placed.gateway_urls = ray.get([g.start.remote(timeout) for g in placed.gateways])
         yield placed
     finally:
@@ -122,13 +132,6 @@ def placed_services(cfg: JobConfig, run: RunDir, policy: Path, token: str, pool_
             ray.get([part.stop.remote() for part in group])
             for part in group:
                 ray.kill(part)
-
-
-def engine_command(cfg: JobConfig, policy: Path) -> list[str]:
-    """The engine's argv with {host} {port} {model} placeholders: the job's command template, or the built-in."""
-    if cfg.cluster.engine_command:
-        return list(cfg.cluster.engine_command)
-    return engine_spec(cfg.services, policy, "{port}", "{host}").to_argv()
 
 
 def train_on_ray(cfg: JobConfig, run: RunDir, tcfg: Any, placed: Placed, pool_url: str, trainers: list[Any]) -> int:

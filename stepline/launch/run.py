@@ -16,7 +16,6 @@ import logging
 import os
 import secrets
 import signal
-import sys
 import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,18 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from stepline.launch.job import JobConfig, JobError, ServicesSection, load_job, unused_by_run
+from stepline.launch.job import JobConfig, JobError, load_job, unused_by_run
 from stepline.launch.phases import RunDir, evaluate_once, rl_seconds_left, save_rollouts, warm_started, write_summary
-from stepline.launch.services import (
-    Child,
-    GatewaySpec,
-    Services,
-    engine_dtype,
-    engine_spec,
-    engine_token,
-    free_port,
-    port_of,
-)
+from stepline.launch.services import Services
+from stepline.launch.wiring import job_system, processes, start_local
 
 if TYPE_CHECKING:
     from stepline.trainer.config import TrainerConfig
@@ -66,40 +57,18 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
 
 @contextmanager
 def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[str]:
-    """The engine (unless the job names a running one) and the gateway, as subprocesses; yields the gateway URL
-    (run_dir/services.json names both while they run)."""
-    with Services(run.logs, cfg.services.startup_timeout_s) as children:
-        engine_url, kind = cfg.services.engine_url, cfg.services.engine_kind
-        if engine_url is None and kind == "sglang":  # cluster.engine_command starts SGLang under --ray only
-            raise JobError("services.engine_kind = sglang: without --ray the job needs services.engine_url of a "
-                           "running SGLang server")
-        if engine_url is None:
-            engine_url = f"http://127.0.0.1:{free_port()}"
-            children.wait(start_engine(children, cfg.services, policy, engine_url), engine_url)
-        gateway_url = f"http://127.0.0.1:{free_port()}"
-        gateway = GatewaySpec((engine_url,), policy, f"sqlite:///{run.pool_db}", port_of(gateway_url), kind,
-                              spill=run.root / "stepline.gateway.spill")
-        # the admin token in the environment: ps shows argv
-        children.wait(children.start("gateway", gateway.to_argv(), {"STEPLINE_ADMIN_TOKEN": token}), gateway_url)
-        (run.root / "services.json").write_text(json.dumps({"engine": engine_url, "engine_kind": kind,
-                                                            "gateway": gateway_url}, indent=1))
-        yield gateway_url
-
-
-def start_engine(children: Services, svc: ServicesSection, policy: Path, url: str) -> Child:
-    """The engine the job starts on its policy: the built-in one, or vLLM from its own environment."""
-    from stepline.launch.vllm_server import vllm_argv, vllm_env, vllm_python
-
-    if svc.engine_kind != "vllm":
-        return children.start("engine", engine_spec(svc, policy, port_of(url)).to_argv())
+    """The job's processes on this machine (stepline.launch.wiring: the engine, unless the job names a running one,
+    and the gateway); yields the gateway URL (run_dir/services.json names both while they run)."""
     try:
-        python = vllm_python(svc.vllm_python)
-    except ValueError as exc:
+        specs = processes(job_system(cfg, policy, f"sqlite:///{run.pool_db}", run.root))
+    except ValueError as exc:  # an engine the job cannot start (SGLang without --ray, vLLM without its python)
         raise JobError(str(exc)) from None
-    argv = vllm_argv(python, policy, url, engine_dtype(svc), svc.context_length, svc.vllm_args)
-    env = vllm_env(svc.engine_threads, engine_token(), svc.vllm_kv_cache_gib)
-    return children.start("engine", [sys.executable, "-m", "stepline.launch.lifeline", *argv], env)
-
+    with Services(run.logs, cfg.services.startup_timeout_s) as children:
+        urls = start_local(children, specs, {"admin_token": token})  # tokens in the environment: ps shows argv
+        engine = urls.get("engine", cfg.services.engine_url)
+        (run.root / "services.json").write_text(json.dumps({"engine": engine, "engine_kind": cfg.services.engine_kind,
+                                                            "gateway": urls["gateway"]}, indent=1))
+        yield urls["gateway"]
 
 
 def slow_cpu_note(cfg: JobConfig) -> str | None:

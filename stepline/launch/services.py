@@ -6,8 +6,8 @@
         services.wait(engine, "http://127.0.0.1:8001")     # until /health answers 200 (the log tail if it exits)
     # on exit: SIGTERM in reverse start order (the gateway first: it flushes its records), SIGKILL after a grace
 
-`stepline up`, `stepline run` and the Ray parts (which leave `{host}`/`{port}` placeholders in the argv for the
-node to fill) build their argv here, so a flag is spelt in one place. A spec field left None leaves the
+The one wiring (stepline/launch/wiring.py) builds every launcher's argv with these specs, so a flag is spelt in one
+place; `{host}`/`{port}` placeholders are filled by `fill`, here or on the Ray node. A spec field left None leaves the
 subcommand's own default. Tokens travel in the child's environment, never in argv, where `ps` shows them.
 Every child gets this process's pid (stepline.launch.lifeline) and its own session: Ctrl-C reaches only the parent,
 which stops the children in order, and a child dies with the parent even when the parent is killed with -9.
@@ -22,20 +22,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import click
 import httpx
 
 from stepline.launch.lifeline import PARENT_PID_ENV
 
-if TYPE_CHECKING:
-    from stepline.launch.job import ServicesSection
-
-__all__ = ["Child", "EngineSpec", "GatewaySpec", "PoolSpec", "Services", "engine_dtype", "engine_spec", "engine_token", "free_port", "start",
+__all__ = ["Child", "EngineSpec", "GatewaySpec", "PoolSpec", "Services", "engine_token", "fill", "free_port", "start",
            "stepline_argv", "stop_all", "wait_healthy"]
 
 
@@ -101,21 +98,14 @@ class GatewaySpec:
                              *_option("--context-length", self.context_length))
 
 
-def engine_dtype(svc: ServicesSection) -> str:
-    """float32 or bfloat16 (auto: bfloat16 where this CPU has bf16 units)."""
-    import torch
-
-    from stepline.trainer.precision import fast_bf16
-
-    if svc.engine_dtype != "auto":
-        return svc.engine_dtype
-    return "bfloat16" if fast_bf16(torch.device("cpu")) else "float32"
-
-
-def engine_spec(svc: ServicesSection, policy: Path, port: int | str, host: str | None = None) -> EngineSpec:
-    """The built-in engine the job starts on its policy ([services] table)."""
-    return EngineSpec(policy, port, host, svc.context_length, engine_dtype(svc), svc.prefix_cache_mb,
-                      svc.engine_threads)
+def fill(argv: list[str], values: Mapping[str, str]) -> list[str]:
+    """Replace `{name}` placeholders in each argument (a plain replace: other braces stay as they are)."""
+    out = []
+    for arg in argv:
+        for name, value in values.items():
+            arg = arg.replace("{" + name + "}", value)
+        out.append(arg)
+    return out
 
 
 @dataclass

