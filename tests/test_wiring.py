@@ -106,6 +106,7 @@ def test_each_default_is_declared_once() -> None:
     assert set(shared) == {"engine_url", "engine_kind", "context_length", "startup_timeout_s", "session_idle_timeout"}
     for name, value in shared.items():
         assert value == ServicesSection.model_fields[name].default, name
+    assert up["port"] == GatewaySettings.model_fields["port"].default  # up's gateway listens where the gateway would
     for command, fields in ((gateway_command, GatewaySettings.model_fields), (engine_command, EngineOptions.model_fields)):
         given = defaults(command)
         checked = [name for name in fields if name in given]

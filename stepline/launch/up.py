@@ -19,6 +19,7 @@ import click
 import httpx
 
 from stepline.dashboard.cli import dashboard_beside
+from stepline.gateway.config import GatewaySettings
 from stepline.launch.job import ServicesSection
 from stepline.launch.services import Services, tail
 from stepline.launch.wiring import POOL_RIGHTS, processes, services_option, start_local, up_system
@@ -67,7 +68,8 @@ Ctrl-C stops everything (the gateway flushes its records to the pool first).
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="Model directory (e.g. from `stepline make-model`).",
 )
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Gateway port (0: free).")
+@click.option("--port", default=GatewaySettings.model_fields["port"].default, show_default=True,
+              type=click.IntRange(0, 65535), help="Gateway port (0: free).")
 @services_option("--engine", "engine_url")
 @services_option("--engine-kind", "engine_kind", type=click.Choice(["builtin", "sglang", "vllm"]))
 @click.option("--pool", "pool_url", default=None, help="Use this pool URL (default: SQLite in STATE_DIR).")
