@@ -36,7 +36,7 @@ from stepline.gateway.frontends.routes import Handler, error_boundary, model_rou
 from stepline.gateway.frontends.session_routes import SessionRoutes
 from stepline.gateway.frontends.stages import Stages
 from stepline.gateway.metrics import GatewayMetrics
-from stepline.gateway.profile import detect
+from stepline.gateway.profile import ModelProfile, detect
 from stepline.gateway.recorder import Recorder
 from stepline.gateway.session_service import SessionService
 from stepline.gateway.sessions import SessionStore
@@ -52,6 +52,7 @@ MODEL_APIS: dict[str, tuple[str, FrontEnd]] = {
     "responses": ("responses", responses.handle),
     "messages": ("messages", messages.handle),
 }
+PROFILE_KEY = web.AppKey("profile", ModelProfile)  # what the model's template was detected to be (for the CLI)
 
 
 def _flavour(path: str) -> Flavour:
@@ -77,6 +78,7 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
     service = SessionService(store, recorder, router)
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=[error_boundary(metrics.observe_error, _flavour, _api)])
+    app[PROFILE_KEY] = prompting.profile
     app.cleanup_ctx.append(_reaping(service, settings.session_idle_timeout))
 
     def model(handler: Handler) -> Handler:
