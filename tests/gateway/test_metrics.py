@@ -17,7 +17,7 @@ from stepline.gateway.engines import make_engine
 from stepline.gateway.fleet import EngineRouter, WeightGate
 from stepline.gateway.metrics import GatewayMetrics
 from stepline.gateway.recorder import Recorder
-from stepline.gateway.testing import FakeEngine
+from fakes.engine import FakeEngine
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:
