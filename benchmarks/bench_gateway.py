@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_gateway.py [--turns 20] [--context 4000] [--sessions 64]
 
-Three processes: a FakeEngine (SGLang /generate wire format, 16 tokens per answer, the last one EOS),
+Three processes: a FakeEngine (tests/fakes/engine.py, run as a script; SGLang /generate wire format, 16 tokens per answer, the last one EOS),
 the gateway (`stepline gateway`, recording into a real SQLite pool), and this load generator.
 
 1. Added latency: conversations of `--turns` turns on a `--context`-token document (the harness
@@ -31,6 +31,7 @@ import aiohttp
 import numpy as np
 import orjson
 
+FAKE_ENGINE = Path(__file__).resolve().parents[1] / "tests" / "fakes" / "engine.py"  # the tests' fake, run as a script
 ADMIN = {"Authorization": "Bearer bench"}
 OUT_TOKENS = 16
 EOS = 2  # <|im_end|> in the tiny model's vocabulary
@@ -227,7 +228,7 @@ async def cpu_by_turn(bench: Bench, gateway_pid: int, sessions: int, turns: int)
 def start_services(model_dir: Path, pool_url: str) -> tuple[subprocess.Popen, subprocess.Popen, str, str]:
     engine_port, gateway_port = free_port(), free_port()
     engine_args = ["--port", str(engine_port), "--tokens", str(OUT_TOKENS), "--eos", str(EOS)]
-    engine = subprocess.Popen([sys.executable, "-m", "stepline.gateway.testing", *engine_args], stdout=subprocess.DEVNULL)
+    engine = subprocess.Popen([sys.executable, str(FAKE_ENGINE), *engine_args], stdout=subprocess.DEVNULL)
     engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
     gateway_args = ["--engine", engine_url, "--engine-kind", "sglang", "--model", str(model_dir), "--pool", pool_url,
                     "--port", str(gateway_port), "--admin-token", "bench", "--context-length", "32768"]

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import cast
-from unittest.mock import patch
 
 __all__ = ["build_smollm2", "cached_build", "prune_builds"]
 
@@ -74,10 +75,25 @@ def _build_name() -> str:
     return f"smollm2-hf-v{BUILD_VERSION}-{libraries}"
 
 
+@contextmanager
+def _no_gguf_bar() -> Iterator[None]:
+    """Without the progress bar of transformers' GGUF reader. It draws a plain tqdm bar and offers no switch
+    (transformers' `disable_progress_bar` covers only its own `logging.tqdm`, and tqdm reads `TQDM_DISABLE`
+    once, when it is first imported), so the reader's `tqdm` is a disabled one while the file loads."""
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    drawn = reader.tqdm
+    reader.tqdm = partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        reader.tqdm = drawn
+
+
 def _dequantise(out: Path) -> Path:
     """Dequantise the cached SmolLM2-135M-Instruct GGUF into `out`."""
     import torch
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     from stepline.assets import smollm2_gguf
@@ -85,8 +101,7 @@ def _dequantise(out: Path) -> Path:
 
     gguf = smollm2_gguf()
     out.mkdir(parents=True, exist_ok=True)
-    quiet = partial(tqdm, disable=True)
-    with patch("transformers.modeling_gguf_pytorch_utils.tqdm", quiet):  # the GGUF reader's own bar
+    with _no_gguf_bar():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config

@@ -84,6 +84,15 @@ def test_import_direction(part: str, path: Path) -> None:
     assert not bad, f"{path.relative_to(ROOT)} ({part}) imports {sorted(bad)}, against docs/architecture.md"
 
 
+TEST_TOOLS = {"unittest", "pytest", "hypothesis", "fakes"}  # the test runner's and the tests' own (tests/fakes/)
+
+
+@pytest.mark.parametrize("part,path", modules(), ids=lambda v: str(v).replace(str(ROOT) + "/", ""))
+def test_no_product_module_imports_test_tools(part: str, path: Path) -> None:
+    bad = imported_parts(path) & TEST_TOOLS
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: test tools and fakes live under tests/"
+
+
 def test_the_rollout_package_loads_without_torch() -> None:
     """Transitively too: every rollout module imported in a fresh interpreter leaves torch unloaded."""
     names = [f"stepline.rollout.{p.stem}" for p in sorted((PACKAGE / "rollout").glob("*.py")) if p.stem != "__init__"]

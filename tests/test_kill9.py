@@ -1,6 +1,6 @@
 """Kill -9 under a steady stream of calls (issue 12, finding 5): acknowledged records lost = 0.
 
-Real processes on loopback: the fake engine (stepline.gateway.testing), the pool service and the gateway, or
+Real processes on loopback: the fake engine (tests/fakes/engine.py), the pool service and the gateway, or
 `stepline up --serve-pool` in front of the fake engine. Harness threads keep calling; every answer
 they got (status 200) names a call id, and after the crash and a restart on the same files each of
 those ids must be in the pool. Before the spill file, the report lost 4 of 4 (pool down, then the
@@ -120,7 +120,7 @@ def wait_recorded(db: Path, acked: set[str], timeout: float = 20.0) -> set[str]:
 def fake_engine(tmp_path: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{free_port()}"
     log = tmp_path / "engine.log"
-    proc = spawn([sys.executable, "-m", "stepline.gateway.testing", "--port", port_of(url), "--tokens", "4"], log)
+    proc = spawn([sys.executable, str(ROOT / "tests" / "fakes" / "engine.py"), "--port", port_of(url), "--tokens", "4"], log)
     try:
         healthy(url, proc, log)
         yield url

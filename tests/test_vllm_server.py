@@ -2,7 +2,7 @@
 job starts — its command line, its environment, and the gateway driving it with the vLLM adapter.
 
 Without vLLM installed: a stand-in "vLLM python" writes down its argv and environment and then serves
-`stepline.gateway.testing.FakeEngine` in vLLM's wire format on the port it was given. The real vLLM runs in
+`FakeEngine` (tests/fakes/engine.py) in vLLM's wire format on the port it was given. The real vLLM runs in
 tests/engines/test_vllm_job.py.
 """
 
@@ -21,12 +21,13 @@ from stepline.launch.job import JobError, load_job
 from stepline.launch.phases import RunDir
 from stepline.launch.run import services
 
+FAKE_ENGINE = Path(__file__).resolve().parent / "fakes" / "engine.py"
 FAKE_VLLM = """#!/bin/sh
 # argv: -m vllm.entrypoints.openai.api_server --model DIR --host H --port P ...
 printf '%s\\n' "$@" > "$(dirname "$0")/argv"
 env > "$(dirname "$0")/env"
 while [ "$1" != "--port" ]; do shift; done
-exec {python} -m stepline.gateway.testing --api vllm --port "$2"
+exec {python} {fake_engine} --api vllm --port "$2"
 """
 
 
@@ -65,7 +66,7 @@ def test_the_job_says_where_vllm_is_missing(tmp_path: Path, tiny_model_dir: Path
 def test_the_job_starts_vllm_with_what_the_gateway_needs_and_drives_it(tmp_path: Path, tiny_model_dir: Path) -> None:
     fake = tmp_path / "venv" / "python"
     fake.parent.mkdir()
-    fake.write_text(FAKE_VLLM.format(python=sys.executable))
+    fake.write_text(FAKE_VLLM.format(python=sys.executable, fake_engine=FAKE_ENGINE))
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     cfg = job(tmp_path, f'[model]\ndir = "{tiny_model_dir}"\n[services]\nengine_kind = "vllm"\n'
                         f'vllm_python = "{fake}"\nvllm_args = ["--max-num-seqs", "16"]\nengine_threads = 1\n'

@@ -25,7 +25,7 @@ class UpdateWeightsRequest(BaseModel):
 
 
 def admin_routes(gate: WeightGate, admin_token: str | None) -> list[web.RouteDef]:
-    """The routes; their errors are `ApiError`s, answered by the app's error boundary (stepline.gateway.frontends.pipeline)."""
+    """The routes; their errors are `ApiError`s, answered by the app's error boundary (stepline.gateway.frontends.routes)."""
 
     def check(request: web.Request) -> None:
         if not admin_allowed(bearer_key(request.headers), admin_token):

@@ -203,9 +203,9 @@ async def _serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with running_gateway(settings, engines, model_dir, pool, kind, timeout) as gw:
-        from stepline.gateway.app import CORE_KEY
+        from stepline.gateway.app import PROFILE_KEY
 
         print(f"stepline gateway on {gw.url} -> {', '.join(engines)} ({kind}); Ctrl-C stops", flush=True)
-        print(f"model: {gw.app[CORE_KEY].profile.describe()}", flush=True)
+        print(f"model: {gw.app[PROFILE_KEY].describe()}", flush=True)
         await stop.wait()
         log.info("stopping: finishing in-flight calls and flushing records to the pool")

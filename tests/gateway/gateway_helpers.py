@@ -19,7 +19,7 @@ from stepline.datapool import open_pool
 from stepline.datapool.base import Pool
 from stepline.gateway.cli import Gateway, running_gateway
 from stepline.gateway.config import GatewaySettings
-from stepline.gateway.testing import FakeEngine, Scripted
+from fakes.engine import FakeEngine, Scripted
 
 END = "<|im_end|>"
 

@@ -12,8 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from stepline.gateway.admin import admin_routes
 from stepline.gateway.engines import make_engine
 from stepline.gateway.fleet import EngineRouter, WeightGate
-from stepline.gateway.frontends.pipeline import error_boundary
-from stepline.gateway.testing import FakeEngine
+from stepline.gateway.frontends.routes import error_boundary
+from fakes.engine import FakeEngine
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

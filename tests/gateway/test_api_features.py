@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 from gateway_helpers import fake_engine, scripted, serve, tokenizer
 
-from stepline.gateway.testing import Scripted
+from fakes.engine import Scripted
 
 
 async def test_sampling_options_n_and_logprobs(qwen3_model_dir: Path, tmp_path: Path) -> None:

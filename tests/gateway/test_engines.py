@@ -18,7 +18,7 @@ from stepline.gateway.engines import (
     make_engine,
 )
 from stepline.gateway.fleet import EngineRouter
-from stepline.gateway.testing import FakeEngine, Scripted
+from fakes.engine import FakeEngine, Scripted
 
 # (kind, FakeEngine api, SGLang incremental streaming)
 FORMATS = [("sglang", "sglang", False), ("builtin", "sglang", True), ("vllm", "vllm", False)]

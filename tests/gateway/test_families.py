@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from stepline.gateway.parsers import collect, make_parser
 from stepline.gateway.profile import detect
 from stepline.gateway.templating import ChatTemplate
-from stepline.gateway.testing import FakeEngine, Scripted
+from fakes.engine import FakeEngine, Scripted
 from stepline.gateway.tool_prompt import injector
 
 

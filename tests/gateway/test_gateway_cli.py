@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from tokenizers import Tokenizer
 
 from stepline.cli import main
-from stepline.gateway.testing import FakeEngine, Scripted
+from fakes.engine import FakeEngine, Scripted
 
 ADMIN = {"Authorization": "Bearer adm"}
 

@@ -19,8 +19,9 @@ import orjson
 import pytest
 from gateway_helpers import ServedInThread, fake_engine, serve, tokenizer
 
-from stepline.gateway.frontends import pipeline as flow
-from stepline.gateway.frontends.pipeline import choice_seed, int64_violation
+from stepline.gateway.frontends import stages as flow
+from stepline.gateway.frontends.edge import int64_violation
+from stepline.gateway.frontends.prompting import choice_seed
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]

@@ -15,8 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from stepline.datapool import open_pool
 from stepline.gateway.engines import make_engine
 from stepline.gateway.fleet import EngineRouter, WeightGate
-from stepline.gateway.recorder import GatewayMetrics, Recorder
-from stepline.gateway.testing import FakeEngine
+from stepline.gateway.metrics import GatewayMetrics
+from stepline.gateway.recorder import Recorder
+from fakes.engine import FakeEngine
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from gateway_helpers import END, serve, tokenizer
 
-from stepline.gateway.testing import FakeEngine
+from fakes.engine import FakeEngine
 
 CHAT = {"messages": [{"role": "user", "content": "write a long story"}], "max_tokens": 300}
 

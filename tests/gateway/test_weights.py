@@ -10,7 +10,7 @@ import pytest
 
 from stepline.gateway.engines import EngineError, SamplingParams, make_engine
 from stepline.gateway.fleet import EngineRouter, Paused, UpdateRefused, WeightGate
-from stepline.gateway.testing import FakeEngine
+from fakes.engine import FakeEngine
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from stepline.gateway.testing import FakeEngine, Scripted, recording_gateway
+from fakes.engine import FakeEngine, Scripted, recording_gateway
 from stepline.rollout.client import GatewayClient
 from stepline.rollout.config import HarnessSpec, RolloutConfig
 from stepline.rollout.driver import RolloutDriver

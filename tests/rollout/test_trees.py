@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from stepline.datapool.records import ForkPoint
-from stepline.gateway.testing import FakeEngine, Scripted, recording_gateway
+from fakes.engine import FakeEngine, Scripted, recording_gateway
 from stepline.rollout.client import GatewayClient
 from stepline.rollout.config import HarnessSpec, RolloutConfig, TreeSearch
 from stepline.rollout.driver import RolloutDriver

@@ -21,9 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, with_config
 from typing_extensions import TypedDict
 
 from stepline.gateway.engines import Generation, SamplingParams, StreamDelta
-from stepline.gateway.frontends import pipeline
+from stepline.gateway.frontends.edge import Edge
 from stepline.gateway.frontends.errors import ApiError, error_body, invalid
-from stepline.gateway.frontends.pipeline import Core
+from stepline.gateway.frontends.exchange import Choice, Exchange, usage
+from stepline.gateway.frontends.prompting import ChatCall
+from stepline.gateway.frontends.stages import Stages
 from stepline.gateway.parsers.base import Event, ParsedOutput
 from stepline.gateway.sessions import Prompt
 from stepline.gateway.templating import ChatTemplate, Message
@@ -164,7 +166,7 @@ def sampling_of(temperature: float | None, top_p: float | None, top_k: int | Non
                           stop=[s for s in stops if s], seed=seed)
 
 
-def to_call(req: ChatRequest, max_n: int) -> pipeline.ChatCall:
+def to_call(req: ChatRequest, max_n: int) -> ChatCall:
     if req.n > max_n:
         raise invalid(f"n must be at most {max_n}", param="n")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -174,7 +176,7 @@ def to_call(req: ChatRequest, max_n: int) -> pipeline.ChatCall:
     if options and RESERVED_TEMPLATE_NAMES & options.keys():
         raise invalid(f"chat_template_kwargs may not set {sorted(RESERVED_TEMPLATE_NAMES & options.keys())}",
                       param="chat_template_kwargs")
-    return pipeline.ChatCall(api="chat.completions", messages=to_messages(req.messages), tools=tools,
+    return ChatCall(api="chat.completions", messages=to_messages(req.messages), tools=tools,
                          sampling=sampling_of(req.temperature, req.top_p, req.top_k, req.stop, req.seed),
                          max_tokens=req.max_completion_tokens or req.max_tokens, n=req.n, tools_enabled=enabled,
                          stream=bool(req.stream), template_options=options or None)
@@ -217,15 +219,15 @@ class ChatEmitter:
             content.append({**entry, "top_logprobs": [entry] if self.top_logprobs else []})
         return {"content": content}
 
-    def answer(self, choices: list[pipeline.Choice], prompt: Prompt) -> dict:
-        prompt_tokens, completion_tokens = pipeline.usage(prompt, choices)
+    def answer(self, choices: list[Choice], prompt: Prompt) -> dict:
+        prompt_tokens, completion_tokens = usage(prompt, choices)
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
             "choices": [self._choice(c) for c in choices],
             "usage": self._usage(prompt_tokens, completion_tokens, prompt.reused),
         }
 
-    def _choice(self, c: pipeline.Choice) -> dict:
+    def _choice(self, c: Choice) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": c.parsed.content or None}
         if not c.parsed.tool_calls and message["content"] is None:
             message["content"] = ""
@@ -296,10 +298,10 @@ class ChatEmitter:
         return self._chunk([{"index": index, "delta": {}, "logprobs": None,
                              "finish_reason": finish_reason(final, parsed)}])
 
-    def end(self, choices: list[pipeline.Choice], prompt: Prompt) -> bytes:
+    def end(self, choices: list[Choice], prompt: Prompt) -> bytes:
         out = b""
         if self.include_usage:
-            prompt_tokens, completion_tokens = pipeline.usage(prompt, choices)
+            prompt_tokens, completion_tokens = usage(prompt, choices)
             out += self._chunk([], self._usage(prompt_tokens, completion_tokens, prompt.reused))
         return out + b"data: [DONE]\n\n"
 
@@ -307,13 +309,14 @@ class ChatEmitter:
         return b"data: " + orjson.dumps(error_body("openai", err.status, err.message, err.param, err.code)) + b"\n\n"
 
 
-async def handle(core: Core, request: web.Request) -> web.StreamResponse:
-    session = core.session_for(request)
-    raw, req = await core.parse(ChatRequest, request)
-    call = to_call(req, core.settings.max_n)
-    emitter = ChatEmitter(req.model or core.settings.model_name, core.template, bool(req.logprobs),
+async def handle(edge: Edge, stages: Stages, request: web.Request) -> web.StreamResponse:
+    session = edge.session_for(request)
+    raw, req = await edge.parse(ChatRequest, request)
+    call = to_call(req, edge.limits.max_n)
+    model = stages.prompting
+    emitter = ChatEmitter(req.model or model.model_name, model.template, bool(req.logprobs),
                           req.top_logprobs or 0, bool(req.stream_options and req.stream_options.include_usage))
     if call.stream:
-        return await pipeline.stream(core, request, pipeline.Exchange(session, call.api, raw), call, emitter)
-    answer = await pipeline.run(core, pipeline.Exchange(session, call.api, raw), call, emitter)
+        return await stages.stream(request, Exchange(session, call.api, raw), call, emitter)
+    answer = await stages.run(Exchange(session, call.api, raw), call, emitter)
     return web.Response(body=orjson.dumps(answer), content_type="application/json")

@@ -19,10 +19,12 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from stepline.gateway.engines import Generation, SamplingParams, StreamDelta
-from stepline.gateway.frontends import pipeline
 from stepline.gateway.frontends.chat import StreamOptions, sampling_of
+from stepline.gateway.frontends.edge import Edge
 from stepline.gateway.frontends.errors import ApiError, error_body, invalid
-from stepline.gateway.frontends.pipeline import Choice, Core, Exchange, choice_seed
+from stepline.gateway.frontends.exchange import Choice, Exchange, usage
+from stepline.gateway.frontends.prompting import Prompting, choice_seed
+from stepline.gateway.frontends.stages import PlainText, Stages
 from stepline.gateway.parsers.base import Event, ParsedOutput
 from stepline.gateway.sessions import Prompt, Session
 
@@ -58,11 +60,11 @@ def _prompts(req: CompletionRequest, vocab: int) -> list[str | list[int]]:
 
 
 class Completions:
-    def __init__(self, core: Core, session: Session, req: CompletionRequest, raw: bytes) -> None:
-        self.core, self.session, self.req, self.raw = core, session, req, raw
+    def __init__(self, prompting: Prompting, session: Session, req: CompletionRequest, raw: bytes) -> None:
+        self.prompting, self.session, self.req, self.raw = prompting, session, req, raw
         self.id = "cmpl-" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.model = req.model or core.settings.model_name
+        self.model = req.model or prompting.model_name
 
     def prompt(self, source: str | list[int]) -> Prompt:
         if isinstance(source, str):
@@ -72,14 +74,14 @@ class Completions:
     def samplings(self, prompt: Prompt) -> list[SamplingParams]:
         base = replace(sampling_of(self.req.temperature, self.req.top_p, self.req.top_k, self.req.stop, self.req.seed),
                        **self.session.sampling)
-        base.max_new_tokens = self.core.max_new_tokens(len(prompt.ids), self.req.max_tokens)
+        base.max_new_tokens = self.prompting.max_new_tokens(len(prompt.ids), self.req.max_tokens)
         return [base if base.seed is None else SamplingParams(**{**base.__dict__, "seed": choice_seed(base.seed, i)})
                 for i in range(self.req.n)]
 
     def logprobs(self, ids: list[int], lps: list[float]) -> dict | None:
         if self.req.logprobs is None:
             return None
-        tokens = [self.core.template.token_text(i) for i in ids]
+        tokens = [self.prompting.template.token_text(i) for i in ids]
         top = [{t: lp} if self.req.logprobs else {} for t, lp in zip(tokens, lps)]
         return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": []}
 
@@ -116,7 +118,7 @@ def _event(body: dict[str, Any]) -> bytes:
 
 
 class TextEmitter:
-    """A Completions stream, as the pipeline's `Emitter`: a `text_completion` chunk per engine delta (its
+    """A Completions stream, as the stages' `Emitter`: a `text_completion` chunk per engine delta (its
     text and logprobs as sent: nothing is parsed), one with each choice's finish reason, the usage event."""
 
     def __init__(self, job: Completions, include_usage: bool) -> None:
@@ -131,7 +133,7 @@ class TextEmitter:
 
     def answer(self, choices: list[Choice], prompt: Prompt) -> dict:
         return self.job.answer([self.job.choice(c.index, c.generation) for c in choices],
-                               *pipeline.usage(prompt, choices))
+                               *usage(prompt, choices))
 
     def start(self, prompt: Prompt) -> bytes:
         return b""
@@ -143,48 +145,49 @@ class TextEmitter:
         return self._chunk(index, "", None, finish_reason(final))
 
     def end(self, choices: list[Choice], prompt: Prompt) -> bytes:
-        usage = _event(self.job.answer([], *pipeline.usage(prompt, choices))) if self.include_usage else b""
-        return usage + b"data: [DONE]\n\n"
+        tail = _event(self.job.answer([], *usage(prompt, choices))) if self.include_usage else b""
+        return tail + b"data: [DONE]\n\n"
 
     def error(self, err: ApiError) -> bytes:
         return _event(error_body("openai", err.status, err.message, err.param, err.code))
 
 
-async def handle(core: Core, request: web.Request) -> web.StreamResponse:
-    session = core.session_for(request)
-    raw, req = await core.parse(CompletionRequest, request)
+async def handle(edge: Edge, stages: Stages, request: web.Request) -> web.StreamResponse:
+    session = edge.session_for(request)
+    raw, req = await edge.parse(CompletionRequest, request)
     if req.echo or req.suffix:
         raise invalid("echo and suffix are not supported", param="echo" if req.echo else "suffix")
-    if req.n > core.settings.max_n:
-        raise invalid(f"n must be at most {core.settings.max_n}", param="n")
-    sources = _prompts(req, core.template.tokenizer.get_vocab_size())
-    if len(sources) > core.settings.max_prompts:
-        raise invalid(f"a prompt batch holds at most {core.settings.max_prompts} prompts", param="prompt")
-    if len(sources) * req.n > core.settings.max_engine_requests:
-        raise invalid(f"prompts x n must be at most {core.settings.max_engine_requests}", param="n")
-    job = Completions(core, session, req, raw)
+    limits = edge.limits
+    if req.n > limits.max_n:
+        raise invalid(f"n must be at most {limits.max_n}", param="n")
+    sources = _prompts(req, stages.prompting.template.tokenizer.get_vocab_size())
+    if len(sources) > limits.max_prompts:
+        raise invalid(f"a prompt batch holds at most {limits.max_prompts} prompts", param="prompt")
+    if len(sources) * req.n > limits.max_engine_requests:
+        raise invalid(f"prompts x n must be at most {limits.max_engine_requests}", param="n")
+    job = Completions(stages.prompting, session, req, raw)
     if req.stream:
         if len(sources) != 1:
             raise invalid("streaming takes one prompt", param="prompt")
-        return await _stream(job, request, sources[0])
+        return await _stream(stages, job, request, sources[0])
     exchanges = [job.exchange() for _ in sources]  # one per prompt
-    prompts = await core.offload(len(raw), lambda: [job.prompt(s) for s in sources])
+    prompts = await stages.offload(len(raw), lambda: [job.prompt(s) for s in sources])
     for ex, prompt in zip(exchanges, prompts):
         ex.prompt, ex.samplings = prompt, job.samplings(prompt)
-    results = await asyncio.gather(*(core.generate(ex) for ex in exchanges))
+    results = await asyncio.gather(*(stages.dispatch.generate(ex) for ex in exchanges))
     choices = [job.choice(i * req.n + j, gen) for i, gens in enumerate(results) for j, gen in enumerate(gens)]
     completion = sum(len(gen.output_ids) for gens in results for gen in gens)
     answer = job.answer(choices, sum(len(p.ids) for p in prompts), completion)
     for ex, gens in zip(exchanges, results):  # each prompt's records, and its own tokens and timings
-        pipeline.commit(core, ex, [Choice(j, gen, _plain(gen)) for j, gen in enumerate(gens)], answer, remember_text)
-        core.observe(ex, False, gens)
+        stages.ledger.commit(ex, [Choice(j, gen, _plain(gen)) for j, gen in enumerate(gens)], answer, remember_text)
+        stages.ledger.observe(ex, False, gens)
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 
-async def _stream(job: Completions, request: web.Request, source: str | list[int]) -> web.StreamResponse:
+async def _stream(stages: Stages, job: Completions, request: web.Request, source: str | list[int]) -> web.StreamResponse:
     ex = job.exchange()
-    ex.prompt = await job.core.offload(len(job.raw), job.prompt, source)
+    ex.prompt = await stages.offload(len(job.raw), job.prompt, source)
     ex.samplings = job.samplings(ex.prompt)
     emitter = TextEmitter(job, bool(job.req.stream_options and job.req.stream_options.include_usage))
-    parsers = [pipeline.PlainText() for _ in ex.samplings]
-    return await pipeline.stream_exchange(job.core, request, ex, emitter, parsers, remember_text)
+    parsers = [PlainText() for _ in ex.samplings]
+    return await stages.stream_exchange(request, ex, emitter, parsers, remember_text)

@@ -17,13 +17,15 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from stepline.gateway.engines import Generation, StreamDelta
-from stepline.gateway.frontends import pipeline
 from stepline.gateway.frontends.chat import sampling_of
+from stepline.gateway.frontends.edge import Edge
 from stepline.gateway.frontends.errors import ApiError, error_body, invalid
-from stepline.gateway.frontends.pipeline import Core
+from stepline.gateway.frontends.exchange import Choice, Exchange
+from stepline.gateway.frontends.prompting import ChatCall
+from stepline.gateway.frontends.stages import Stages
 from stepline.gateway.parsers.base import Event, ParsedOutput, ToolCall, load_json
 from stepline.gateway.sessions import Prompt
-from stepline.gateway.templating import Message, TemplateError
+from stepline.gateway.templating import ChatTemplate, Message, TemplateError
 
 
 class _Model(BaseModel):
@@ -141,7 +143,7 @@ def _user(blocks: list[Block]) -> list[Message]:
     return out
 
 
-def to_call(req: MessagesRequest) -> pipeline.ChatCall:
+def to_call(req: MessagesRequest) -> ChatCall:
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in req.tools or []] or None
     names = [t.name for t in req.tools or []]
@@ -150,7 +152,7 @@ def to_call(req: MessagesRequest) -> pipeline.ChatCall:
         raise invalid("tool_choice needs `tools`", param="tool_choice")
     if choice is not None and choice.type == "tool" and choice.name not in names:
         raise invalid(f"tool_choice names an unknown tool {choice.name!r}", param="tool_choice")
-    return pipeline.ChatCall(api="messages", messages=to_messages(req), tools=tools,
+    return ChatCall(api="messages", messages=to_messages(req), tools=tools,
                          sampling=sampling_of(req.temperature, req.top_p, req.top_k, req.stop_sequences, req.seed),
                          max_tokens=req.max_tokens, tools_enabled=not (choice and choice.type == "none"),
                          stream=bool(req.stream))
@@ -182,7 +184,7 @@ class MessagesEmitter:
         self.block = -1  # index of the open content block
         self.open_kind: str | None = None
 
-    def answer(self, choices: list[pipeline.Choice], prompt: Prompt) -> dict:
+    def answer(self, choices: list[Choice], prompt: Prompt) -> dict:
         choice = choices[0]
         parsed = choice.parsed
         content: list[dict] = []
@@ -261,21 +263,21 @@ class MessagesEmitter:
         return out + _sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                             "usage": {"output_tokens": len(final.output_ids)}})
 
-    def end(self, choices: list[pipeline.Choice], prompt: Prompt) -> bytes:
+    def end(self, choices: list[Choice], prompt: Prompt) -> bytes:
         return _sse("message_stop", {})
 
     def error(self, err: ApiError) -> bytes:
         return b"event: error\ndata: " + orjson.dumps(error_body("anthropic", err.status, err.message)) + b"\n\n"
 
 
-async def handle(core: Core, request: web.Request) -> web.StreamResponse:
-    session = core.session_for(request)
-    raw, req = await core.parse(MessagesRequest, request)
+async def handle(edge: Edge, stages: Stages, request: web.Request) -> web.StreamResponse:
+    session = edge.session_for(request)
+    raw, req = await edge.parse(MessagesRequest, request)
     call = to_call(req)
-    emitter = MessagesEmitter(req.model or core.settings.model_name)
+    emitter = MessagesEmitter(req.model or stages.prompting.model_name)
     if call.stream:
-        return await pipeline.stream(core, request, pipeline.Exchange(session, call.api, raw), call, emitter)
-    answer = await pipeline.run(core, pipeline.Exchange(session, call.api, raw), call, emitter)
+        return await stages.stream(request, Exchange(session, call.api, raw), call, emitter)
+    answer = await stages.run(Exchange(session, call.api, raw), call, emitter)
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 
@@ -283,19 +285,18 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int = Field(1, ge=1)  # not part of a count request
 
 
-async def count_tokens(core: Core, request: web.Request) -> web.Response:
+async def count_tokens(edge: Edge, template: ChatTemplate, request: web.Request) -> web.Response:
     """`POST /v1/messages/count_tokens`: the prompt's length as the template renders it (no call, no record)."""
-    session = core.session_for(request)
-    raw, req = await core.parse(CountTokensRequest, request)
+    edge.session_for(request)  # attribution only: counting touches no session state
+    raw, req = await edge.parse(CountTokensRequest, request)
     call = to_call(req)
-    del session  # attribution only: counting touches no session state
 
     def count() -> int:
         try:
-            text = core.template.render(call.messages, call.tools, add_generation_prompt=True)
+            text = template.render(call.messages, call.tools, add_generation_prompt=True)
         except TemplateError as exc:
             raise invalid(str(exc), param="messages") from None
-        return len(core.template.encode(text))
+        return len(template.encode(text))
 
-    return web.Response(body=orjson.dumps({"input_tokens": await core.offload(len(raw), count)}),
+    return web.Response(body=orjson.dumps({"input_tokens": await edge.offload(len(raw), count)}),
                         content_type="application/json")

@@ -18,10 +18,12 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from stepline.gateway.engines import Generation, StreamDelta
-from stepline.gateway.frontends import pipeline
 from stepline.gateway.frontends.chat import sampling_of
+from stepline.gateway.frontends.edge import Edge
 from stepline.gateway.frontends.errors import ApiError, invalid
-from stepline.gateway.frontends.pipeline import Core
+from stepline.gateway.frontends.exchange import Choice, Exchange
+from stepline.gateway.frontends.prompting import ChatCall
+from stepline.gateway.frontends.stages import Stages, assistant_message
 from stepline.gateway.parsers.base import Event, ParsedOutput
 from stepline.gateway.sessions import Prompt, Session
 from stepline.gateway.templating import Message
@@ -136,7 +138,7 @@ def to_messages(items: str | list[Item]) -> list[Message]:
     return out
 
 
-def to_call(req: ResponsesRequest, session: Session) -> pipeline.ChatCall:
+def to_call(req: ResponsesRequest, session: Session) -> ChatCall:
     messages = to_messages(req.input)
     if req.previous_response_id is not None:
         earlier = session.responses.get(req.previous_response_id)
@@ -158,7 +160,7 @@ def to_call(req: ResponsesRequest, session: Session) -> pipeline.ChatCall:
         raise invalid("tool_choice needs `tools`", param="tool_choice")
     if isinstance(choice, NamedChoice) and choice.name not in names:
         raise invalid(f"tool_choice names an unknown tool {choice.name!r}", param="tool_choice")
-    return pipeline.ChatCall(api="responses", messages=messages, tools=tools,
+    return ChatCall(api="responses", messages=messages, tools=tools,
                          sampling=sampling_of(req.temperature, req.top_p, None, None, req.seed),
                          max_tokens=req.max_output_tokens, tools_enabled=choice != "none", stream=bool(req.stream))
 
@@ -189,7 +191,7 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
 
 
 class ResponsesEmitter:
-    def __init__(self, req: ResponsesRequest, model: str, session: Session, call: pipeline.ChatCall) -> None:
+    def __init__(self, req: ResponsesRequest, model: str, session: Session, call: ChatCall) -> None:
         self.id = "resp_" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.req, self.model, self.session, self.call = req, model, session, call
@@ -211,7 +213,7 @@ class ResponsesEmitter:
                 "tools": [t.model_dump() for t in self.req.tools or []], "text": {"format": {"type": "text"}},
                 "usage": usage, "metadata": {}}
 
-    def answer(self, choices: list[pipeline.Choice], prompt: Prompt) -> dict:
+    def answer(self, choices: list[Choice], prompt: Prompt) -> dict:
         choice = choices[0]
         gen = choice.generation
         usage = {"input_tokens": len(prompt.ids), "input_tokens_details": {"cached_tokens": prompt.reused},
@@ -219,7 +221,7 @@ class ResponsesEmitter:
                  "total_tokens": len(prompt.ids) + len(gen.output_ids)}
         incomplete = {"reason": "max_output_tokens"} if gen.truncated else None
         answer = self._base("incomplete" if incomplete else "completed", _items(choice.parsed, self.ids), usage, incomplete)
-        self._keep(pipeline.assistant_message(choice.parsed))
+        self._keep(assistant_message(choice.parsed))
         return answer
 
     def _keep(self, message: Message) -> None:
@@ -322,7 +324,7 @@ class ResponsesEmitter:
             out += self._open("message", _message_item(self.ids["message"], None, "in_progress")) + self._close()
         return out
 
-    def end(self, choices: list[pipeline.Choice], prompt: Prompt) -> bytes:
+    def end(self, choices: list[Choice], prompt: Prompt) -> bytes:
         answer = self.answer(choices, prompt)
         kind = "response.completed" if answer["status"] == "completed" else "response.incomplete"
         return self._event(kind, {"response": answer})
@@ -331,13 +333,13 @@ class ResponsesEmitter:
         return self._event("error", {"code": err.code or str(err.status), "message": err.message, "param": err.param})
 
 
-async def handle(core: Core, request: web.Request) -> web.StreamResponse:
-    session = core.session_for(request)
-    raw, req = await core.parse(ResponsesRequest, request)
+async def handle(edge: Edge, stages: Stages, request: web.Request) -> web.StreamResponse:
+    session = edge.session_for(request)
+    raw, req = await edge.parse(ResponsesRequest, request)
     call = to_call(req, session)
-    emitter = ResponsesEmitter(req, req.model or core.settings.model_name, session, call)
+    emitter = ResponsesEmitter(req, req.model or stages.prompting.model_name, session, call)
     if call.stream:
-        return await pipeline.stream(core, request, pipeline.Exchange(session, call.api, raw), call, emitter)
-    answer = await pipeline.run(core, pipeline.Exchange(session, call.api, raw), call, emitter)
+        return await stages.stream(request, Exchange(session, call.api, raw), call, emitter)
+    answer = await stages.run(Exchange(session, call.api, raw), call, emitter)
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 

@@ -19,10 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from stepline.datapool.base import PoolError, UnknownSession
 from stepline.datapool.records import FORK_KEY, Purpose, Reward
-from stepline.gateway.forks import Replay, recorded_prefix
+from stepline.gateway.forks import Replay
+from stepline.gateway.frontends.edge import Edge
 from stepline.gateway.frontends.errors import ApiError, from_validation
-from stepline.gateway.frontends.pipeline import Core
+from stepline.gateway.session_service import SessionService
 from stepline.gateway.sessions import Session, admin_allowed, bearer_key, is_admin_key
+from stepline.gateway.templating import ChatTemplate
 
 
 class _Body(BaseModel):
@@ -82,9 +84,13 @@ def _pool_error(exc: PoolError) -> ApiError:
 
 
 class SessionRoutes:
-    def __init__(self, core: Core) -> None:
-        self.core = core
-        self.admin_token = core.settings.admin_token
+    def __init__(self, edge: Edge, service: SessionService, template: ChatTemplate, public_url: str | None) -> None:
+        self.edge = edge
+        self.service = service
+        self.store = service.store
+        self.template = template  # a fork's replay decodes the recorded ids as the engines do
+        self.public_url = public_url
+        self.admin_token = edge.admin_token
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/sessions", self.create), web.get("/sessions/{session}", self.show),
@@ -94,11 +100,11 @@ class SessionRoutes:
     async def create(self, request: web.Request) -> web.Response:
         if not admin_allowed(bearer_key(request.headers), self.admin_token):
             raise ApiError(401, "creating a session needs the admin token (Authorization: Bearer <token>)")
-        _, data = await self.core.read_json(request)
+        _, data = await self.edge.read_json(request)
         body: NewSession = _parse(NewSession, data)
         if FORK_KEY in body.metadata:
             raise ApiError(400, f"metadata.{FORK_KEY} is set by POST /sessions/<id>/fork", param=f"metadata.{FORK_KEY}")
-        session = self.core.sessions.new(body.task_id, body.harness, body.group_id, body.metadata, body.purpose)
+        session = self.store.new(body.task_id, body.harness, body.group_id, body.metadata, body.purpose)
         if body.sampling is not None:
             session.sampling = body.sampling.model_dump(exclude_none=True)
         return await self._open(request, session)
@@ -106,11 +112,10 @@ class SessionRoutes:
     async def _open(self, request: web.Request, session: Session) -> web.Response:
         """Commit a new session to the pool, make it callable and answer its endpoint and key."""
         try:
-            await self.core.recorder.create_session(session.info)
+            await self.service.open(session)
         except PoolError as exc:
             raise _pool_error(exc) from None
-        self.core.sessions.add(session)
-        base = (self.core.settings.public_url or f"{request.scheme}://{request.host}").rstrip("/")
+        base = (self.public_url or f"{request.scheme}://{request.host}").rstrip("/")
         sid = session.info.session_id
         answer = {"session_id": sid, "api_key": session.api_key, "openai_base_url": f"{base}/s/{sid}/v1",
                   "anthropic_base_url": f"{base}/s/{sid}", FORK_KEY: session.info.metadata.get(FORK_KEY)}
@@ -126,7 +131,7 @@ class SessionRoutes:
 
     async def fork(self, request: web.Request) -> web.Response:
         source = self._owned(request)
-        _, data = await self.core.read_json(request)
+        _, data = await self.edge.read_json(request)
         body: ForkBody = _parse(ForkBody, data)
         sid, info = source.info.session_id, source.info
         if body.call >= source.next_call:
@@ -135,12 +140,12 @@ class SessionRoutes:
         if FORK_KEY in body.metadata:
             raise ApiError(400, f"metadata.{FORK_KEY} is the fork's link, set by the gateway", param=f"metadata.{FORK_KEY}")
         try:  # after every call of the source queued before (the recorder reads in order)
-            calls = await self.core.recorder.read(lambda pool: recorded_prefix(pool, sid, body.call))
+            calls = await self.service.calls_before(sid, body.call)
         except PoolError as exc:
             raise _pool_error(exc) from None
         metadata = {**info.metadata, **body.metadata, FORK_KEY: {"session": sid, "call": body.call}}
-        session = self.core.sessions.new(info.task_id, info.harness, info.group_id, metadata, info.purpose)
-        template = self.core.template
+        session = self.store.new(info.task_id, info.harness, info.group_id, metadata, info.purpose)
+        template = self.template
         session.replay = Replay(calls, template.stop_token_ids, template.decode)
         session.sampling = dict(source.sampling)  # a branch samples as its trunk did
         return await self._open(request, session)
@@ -148,7 +153,7 @@ class SessionRoutes:
     def _owned(self, request: web.Request) -> Session:
         """The session in the URL, if the caller may act on it."""
         sid = request.match_info["session"]
-        session = self.core.sessions.get(sid)
+        session = self.store.get(sid)
         if session is None:
             raise ApiError(404, f"unknown session {sid!r}")
         key = bearer_key(request.headers)
@@ -162,28 +167,24 @@ class SessionRoutes:
 
     async def reward(self, request: web.Request) -> web.Response:
         session = self._owned(request)
-        _, data = await self.core.read_json(request)
+        _, data = await self.edge.read_json(request)
         body: RewardBody = _parse(RewardBody, data)
         if body.step is not None and body.step >= session.next_call:
             raise ApiError(400, f"step {body.step} is not a call of this session (it has {session.next_call})",
                            param="step")
         reward = Reward(session.info.session_id, body.value, body.step, body.name, body.weight, time.time())
         try:
-            await self.core.recorder.add_reward(reward)
+            await self.service.add_reward(reward)
         except PoolError as exc:
             raise _pool_error(exc) from None
         return web.Response(body=orjson.dumps({"ok": True}), content_type="application/json")
 
     async def end(self, request: web.Request) -> web.Response:
         session = self._owned(request)
-        _, data = await self.core.read_json(request, empty_ok=True)
+        _, data = await self.edge.read_json(request, empty_ok=True)
         body: EndBody = _parse(EndBody, data)
         if session.ended:
             raise ApiError(409, f"session {session.info.session_id} has already ended")
-        self.core.sessions.end(session)  # first, so no new call slips in while the pool commits
-        try:
-            await self.core.recorder.end_session(session.info.session_id, body.status)
-        except PoolError as exc:
-            raise _pool_error(exc) from None
-        self.core.router.forget(session.info.session_id)
+        for _, exc in await self.service.end([session], body.status):  # ended here first: no new call slips in
+            raise _pool_error(exc)
         return web.Response(body=orjson.dumps({"ok": True, "status": body.status}), content_type="application/json")

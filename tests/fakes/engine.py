@@ -1,5 +1,5 @@
 """`FakeEngine`: a real HTTP server speaking SGLang's `/generate` (or vLLM's `/v1/completions`) wire
-format with outputs chosen by the test. Used by the gateway's tests and its benchmark.
+format with outputs chosen by the test. Used by the tests and the gateway's benchmark.
 
     async with FakeEngine(script=[Scripted([5, 6, 2])], eos_id=2) as url: ...
 
@@ -16,7 +16,7 @@ tokens sent so far, with finish reason "abort". `model_path` and `context_length
 `/v1/models` (`root`, `max_model_len`) report; with `model_path` set, a weight update checks the folder
 against it (`stepline.gateway.engines.checkpoint`) and refuses one that does not fit, keeping the old weights.
 
-Run standalone (for benchmarks): `python -m stepline.gateway.testing --port 30000 --tokens 16`.
+Run standalone (for benchmarks and process tests): `python tests/fakes/engine.py --port 30000 --tokens 16`.
 """
 
 from __future__ import annotations

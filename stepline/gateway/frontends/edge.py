@@ -1,0 +1,168 @@
+"""The request edge: who is calling (session attribution), and the body read and validated once.
+
+    Edge(settings, sessions)   session_for(request), read_json(request), parse(Model, request), offload, limits
+    Offload(limit)             fn(*args) on a worker thread when the request it works on is large
+    check_int64(raw)           400 naming the field of an integer beyond 64 bits
+
+A model call marks its session as calling (`CALLING`, set by the route, stepline.gateway.frontends.routes)
+so that the idle-session reaper never ends a session with a call running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
+
+from stepline.gateway.config import GatewaySettings
+from stepline.gateway.frontends.errors import ApiError, from_validation, invalid
+from stepline.gateway.sessions import Session, SessionStore, bearer_key, is_admin_key
+
+__all__ = ["CALLING", "Edge", "Limits", "Offload", "check_int64", "int64_violation"]
+
+M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# the sessions whose calls the request being handled is making (set by the model route; the reaper skips them)
+CALLING: contextvars.ContextVar[list[Session] | None] = contextvars.ContextVar("calling", default=None)
+_LONG_NUMBER = re.compile(rb"\d{19}")  # every integer outside the 64-bit range has at least 19 digits
+
+
+def int64_violation(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first integer outside [-2^63, 2^63) in a parsed JSON value, or None.
+
+    Such integers would pass the schema (Python ints are unbounded) and fail later, in orjson, msgpack
+    or the database, after the engine already generated; so they are refused at the edge."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, bool):
+            continue
+        if isinstance(item, int):
+            if not INT64_MIN <= item <= INT64_MAX:
+                return where or "body"
+        elif isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(item))
+    return None
+
+
+def check_int64(raw: bytes) -> None:
+    """400 naming the field when the JSON body holds an integer beyond 64 bits (cheap scan first)."""
+    if not _LONG_NUMBER.search(raw):
+        return
+    try:
+        data = from_json(raw)
+    except ValueError:
+        return  # malformed JSON: the schema's parse reports it
+    where = int64_violation(data)
+    if where is not None:
+        raise invalid(f"{where}: integers must lie in the 64-bit range [-2^63, 2^63)", param=where)
+
+
+class Offload:
+    """fn(*args), on a worker thread when the request it works on is larger than `limit` bytes, so one
+    large request never stalls the event loop (and with it every other session's calls)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    async def __call__(self, size: int, fn: Callable[..., R], *args: Any) -> R:
+        if size > self.limit:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How much one request may ask for (each checked by its front end, with a 400 naming the field)."""
+
+    max_n: int  # choices per request
+    max_prompts: int  # prompts in one Completions batch
+    max_engine_requests: int  # prompts x n
+
+
+class Edge:
+    """Session lookup, reading and parsing: what every route does before its own work."""
+
+    def __init__(self, settings: GatewaySettings, sessions: SessionStore) -> None:
+        self.sessions = sessions
+        self.limits = Limits(settings.max_n, settings.max_prompts, settings.max_engine_requests)
+        self.admin_token = settings.admin_token
+        self.read_timeout = settings.read_timeout
+        self.offload = Offload(settings.offload_bytes)
+
+    def session_for(self, request: web.Request) -> Session:
+        """The calling session: by session key, or by URL / X-Session-Id together with that session's
+        key (or the admin token). The id alone is an address, not a credential: no key → 401, a key
+        for another session → 403."""
+        session_id = request.match_info.get("session") or request.headers.get("X-Session-Id")
+        key = bearer_key(request.headers)
+        keyed = self.sessions.by_key(key) if key else None
+        if keyed is None and not is_admin_key(key, self.admin_token):
+            raise ApiError(401, "send the session's API key (Authorization: Bearer <key> or x-api-key)"
+                           if key is None else "this API key is not a session's", code="invalid_api_key")
+        if session_id is None:
+            if keyed is None:  # the admin token names no session
+                raise ApiError(401, "no session: call /s/<session>/v1/... or set X-Session-Id", code="invalid_api_key")
+            session = keyed
+        else:
+            found = self.sessions.get(session_id)
+            if found is None:
+                raise ApiError(404, f"unknown session {session_id!r}", code="unknown_session")
+            if keyed is not None and keyed is not found:
+                raise ApiError(403, "this API key belongs to another session", code="foreign_session")
+            session = found
+        if session.ended:
+            raise ApiError(409, f"session {session.info.session_id} has ended", code="session_ended")
+        self.sessions.touch(session)
+        if (calling := CALLING.get()) is not None:  # a model call: not idle until its route returns
+            self.sessions.hold(session)
+            calling.append(session)
+        return session
+
+    async def read_body(self, request: web.Request) -> bytes:
+        """The body, decompressed: too large → 413 (aiohttp counts it as it streams in); slower
+        than `read_timeout` → 408 (a client sending a byte a minute must not hold a handler)."""
+        try:
+            async with asyncio.timeout(self.read_timeout):
+                return await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"the request body took longer than {self.read_timeout:g} s to arrive") from None
+
+    async def read_json(self, request: web.Request, empty_ok: bool = False) -> tuple[bytes, Any]:
+        """The raw body (too large → 413, too slow → 408) and its JSON object (malformed → 400)."""
+        raw = await self.read_body(request)
+        if empty_ok and not raw.strip():
+            return raw, {}
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise invalid(f"the body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise invalid("the body must be a JSON object")
+        return raw, data
+
+    async def parse(self, model: type[M], request: web.Request) -> tuple[bytes, M]:
+        """The raw body and its validated request (400 naming the field on any problem); large bodies are
+        parsed on a worker thread (`Offload`)."""
+        raw = await self.read_body(request)
+
+        def validate() -> M:
+            check_int64(raw)
+            try:
+                return model.model_validate_json(raw)  # one pass in pydantic-core: parse and validate
+            except ValidationError as exc:
+                raise from_validation(exc) from None
+
+        return raw, await self.offload(len(raw), validate)

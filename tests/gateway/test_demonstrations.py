@@ -1,0 +1,53 @@
+"""`records_from_conversation`: a demonstration is recorded exactly as the gateway records a served session
+whose model sampled those very answers (same prompt ids, same output ids, turn after turn)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+from gateway_helpers import fake_engine, serve, tokenizer
+
+from stepline.gateway.demonstrations import records_from_conversation
+from stepline.gateway.templating import ChatTemplate
+
+ANSWERS = ["hello there", "the answer is 4"]
+CONVERSATION = {"messages": [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": ANSWERS[0]},
+    {"role": "user", "content": "what is 2 + 2?"},
+    {"role": "assistant", "content": ANSWERS[1]},
+]}
+
+
+async def test_a_demonstration_is_the_record_of_a_session_that_sampled_its_answers(tiny_model_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    tok = tokenizer(tiny_model_dir)
+    async with fake_engine(tok, ANSWERS) as url, serve(tiny_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        headers = {"Authorization": f"Bearer {s['api_key']}"}
+        async with httpx.AsyncClient(base_url=f"{served.url}/s/{s['session_id']}/v1", headers=headers) as client:
+            for end in (2, 4):  # the harness sends the history up to each assistant turn
+                body = {"model": "m", "messages": CONVERSATION["messages"][:end]}
+                r = await client.post("/chat/completions", json=body)
+                assert r.json()["choices"][0]["message"]["content"] == ANSWERS[end // 2 - 1]
+        await served.flush()
+        served_calls = served.calls(s["session_id"])
+
+    records = records_from_conversation(ChatTemplate.from_model_dir(tiny_model_dir), CONVERSATION, "demo-1")
+    assert [(r.prompt_ids.tolist(), r.output_ids.tolist()) for r in records] == served_calls
+    assert [r.call_index for r in records] == [0, 1]
+    assert all(r.session_id == "demo-1" and r.weight_version == 0 and not r.output_logprobs.any() for r in records)
+
+
+def test_anthropic_tools_read_as_a_messages_request(tiny_model_dir: Path) -> None:
+    tools = [{"name": "add", "description": "adds", "input_schema": {"type": "object", "properties": {}}}]
+    records = records_from_conversation(ChatTemplate.from_model_dir(tiny_model_dir),
+                                        {**CONVERSATION, "tools": tools}, "demo-2")
+    assert [r.api for r in records] == ["messages", "messages"]
+
+
+def test_a_conversation_without_an_assistant_turn_has_no_records(tiny_model_dir: Path) -> None:
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    assert records_from_conversation(template, {"messages": CONVERSATION["messages"][:2]}, "demo-3") == []
