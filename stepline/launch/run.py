@@ -224,7 +224,7 @@ def engine_dtype(svc: ServicesSection) -> str:
 
 def slow_cpu_note(cfg: JobConfig) -> str | None:
     """A word before a time-bounded job starts on a CPU without bf16 units: SFT and evaluation then take most of
-    the bound (README: Measured numbers > The main job)."""
+    the bound (docs/results.md: The main job)."""
     import torch
 
     from stepline.trainer.precision import fast_bf16
