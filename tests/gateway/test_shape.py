@@ -17,7 +17,7 @@ from gateway_helpers import fake_engine, serve, tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_PARAMETERS = 6
-MAX_HOT_PATH_FILES = 10  # docs/architecture.md lists them (issue 13)
+MAX_HOT_PATH_FILES = 10  # docs/architecture.md lists them
 
 
 def parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
