@@ -19,6 +19,7 @@ import httpx
 
 from stepline.dashboard.cli import dashboard_beside
 from stepline.launch.services import EngineSpec, GatewaySpec, PoolSpec, Services, free_port, port_of, tail
+from stepline.modeldir import model_dir_option
 
 __all__ = ["up_command"]
 
@@ -61,7 +62,8 @@ Ctrl-C stops everything (the gateway flushes its records to the pool first).
     "--model",
     "model_dir",
     required=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
+    callback=model_dir_option(),
     help="Model directory (e.g. from `stepline make-model`).",
 )
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Gateway port (0: free).")
