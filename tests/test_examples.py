@@ -33,6 +33,21 @@ def test_the_cluster_example_is_the_guides_job() -> None:
     assert shown.split("```", 1)[0] in (root / "examples" / "ray-cluster.toml").read_text()
 
 
+def test_the_own_agent_example_is_the_readmes() -> None:
+    """The README's own-agent snippet is the job file's harness, as written; the job trains a pretrained policy."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    shown = readme.split("```toml\n[[rollout.harnesses]]\nname = \"adder\"", 1)[1].split("```", 1)[0]
+    assert '[[rollout.harnesses]]\nname = "adder"' + shown in (root / "examples" / "own_agent.toml").read_text()
+    assert load_job(root / "examples" / "own_agent.toml").model.kind == "smollm2-135m"
+
+
+def test_the_readme_is_a_guide() -> None:
+    """A user's guide on a screen or two: the measurements live in docs/results.md."""
+    root = Path(__file__).resolve().parents[1]
+    assert len((root / "README.md").read_text().splitlines()) <= 300
+
+
 def test_a_bad_field_is_named(tmp_path: Path) -> None:
     job = tmp_path / "bad.toml"
     job.write_text('rl_updates = -1\n[rollout]\ngroup_size = 0\n')
@@ -91,3 +106,22 @@ def test_the_cluster_example_needs_ray_to_start_its_engines(tmp_path: Path) -> N
     with pytest.raises(JobError, match="without --ray the job needs services.engine_url"):
         with services(cfg, run, tmp_path, "token"):
             pass
+
+
+@pytest.mark.parametrize(("answer", "reward", "success"), [("7", 1.0, True), ("3 + 4 = 7", 0.5, False),
+                                                           ("3 + 4 = 8", 0.0, False), ("", 0.0, False)])
+def test_the_own_agent_verifier_gives_partial_credit(tmp_path: Path, answer: str, reward: float, success: bool) -> None:
+    """The example's verifier: 1 for the sum alone, 0.5 for the sum inside a sentence (signal for a group of a
+    policy that answers in sentences), 0 otherwise."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "answer.txt").write_text(answer)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "STEPLINE_TASK_ID": "add-3-4", "STEPLINE_OUT_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, str(root / "examples" / "own_agent" / "verify.py")], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    verdict = json.loads(out)
+    assert (verdict["reward"], verdict["success"]) == (reward, success)

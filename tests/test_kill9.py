@@ -1,4 +1,4 @@
-"""Kill -9 under a steady stream of calls (issue 12, finding 5): acknowledged records lost = 0.
+"""Kill -9 under a steady stream of calls: acknowledged records lost = 0.
 
 Real processes on loopback: the fake engine (tests/fakes/engine.py), the pool service and the gateway, or
 `stepline up --serve-pool` in front of the fake engine. Harness threads keep calling; every answer
@@ -7,7 +7,7 @@ those ids must be in the pool. Before the spill file, the report lost 4 of 4 (po
 gateway killed) and 1 of 30 (`up --serve-pool` killed: its pool went first and the gateway dropped
 its queue).
 
-The slow tests (`pytest -m slow tests/test_kill9.py`) add the rest of issue 12's bar, one per process
+The slow tests (`pytest -m slow tests/test_kill9.py`) add the rest of the bar, one per process
 killed: no session stays open (orphans end as abandoned) and the trainer's side then gets every completed
 group exactly once. Gateway and pool service are killed under a running `stepline train` (which must ride
 out the pool's outage, stepline/trainer/claims.py); the whole `up --serve-pool` stack is killed at once and the

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from stepline.report import batch_rewards, format_summary, plot_run, reward_quarters, summarise, wilson
+from stepline.report import batch_rewards, flat_groups, format_summary, plot_run, reward_quarters, summarise, wilson
 
 
 def test_wilson_interval_by_hand():
@@ -69,3 +69,50 @@ def test_resumed_run_keeps_earlier_episodes(tmp_path):
     save_rollouts(path, [{"harness": "ui", "reward": 0.5, "batch": 0}])  # the resumed run counts from 0 again
     assert [r["batch"] for r in json.loads(path.read_text())] == [0, 1, 2]
     assert batch_rewards(json.loads(path.read_text())) == pytest.approx([1.0, 0.0, 0.5])
+
+
+def _rollouts(rewards_per_group: list[list[float]]) -> list[dict]:
+    """One rollout batch; group g holds the episodes of task t-g with the given rewards."""
+    return [{"harness": "adder", "task_id": f"t-{g}", "reward": r, "batch": 1, "status": "completed"}
+            for g, rewards in enumerate(rewards_per_group) for r in rewards]
+
+
+def test_flat_groups_are_those_whose_episodes_all_scored_alike():
+    rows = _rollouts([[0.0, 0.0], [1.0, 1.0], [0.0, 0.5]])
+    rows.append({"harness": "adder", "task_id": "t-0", "reward": 1.0, "batch": 2, "status": "completed"})
+    # batch 1: t-0 flat (0, 0), t-1 flat (1, 1), t-2 varies; batch 2: t-0 alone, one reward: flat
+    assert flat_groups(rows) == (3, 4)
+
+
+def test_a_run_that_made_no_update_says_so(tmp_path):
+    """Every group flat, no SFT: the summary says 'base', not 'SFT', and warns at both ends of its text."""
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "eval" / "before.json").write_text(json.dumps(_eval({"adder": 0.0}, 8, 0)))
+    (tmp_path / "eval" / "after-0.json").write_text(json.dumps(_eval({"adder": 0.0}, 8, 0)))
+    (tmp_path / "rl" / "rollouts.json").write_text(json.dumps(_rollouts([[0.0] * 4] * 6)))
+    summary = summarise(tmp_path, asked_updates=4)
+    assert summary["policy_before_rl"] == "base"
+    assert (summary["rl_updates"], summary["rl_updates_asked"]) == (0, 4)
+    assert len(summary["warnings"]) == 1 and summary["warnings"][0].startswith("RL made 0 of the 4 updates asked: "
+                                                                                "6 of 6 groups drawn had no reward")
+    text = format_summary(summary)
+    assert text.count("WARNING: RL made 0 of the 4 updates asked") == 2
+    assert "base model (no SFT) vs RL (0 of 4 updates" in text
+    assert text.splitlines()[text.splitlines().index("Test success, base model (no SFT) vs RL (0 of 4 updates, "
+                                                     "24 RL episodes, policy version 0):") + 1].split()[2] == "base"
+
+
+def test_a_run_cut_short_by_its_time_bound_names_it(tmp_path):
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "model-sft").mkdir()
+    (tmp_path / "model-sft" / "config.json").write_text("{}")
+    (tmp_path / "rl" / "metrics.jsonl").write_text("\n".join(json.dumps({"update": u}) for u in (1, 2)))
+    (tmp_path / "rl" / "rollouts.json").write_text(json.dumps(_rollouts([[0.0, 1.0], [1.0, 1.0]])))
+    summary = summarise(tmp_path, asked_updates=40, time_bound="job_minutes = 28")
+    assert summary["policy_before_rl"] == "SFT"
+    assert summary["warnings"] == ["RL made 2 of the 40 updates asked: 1 of 2 groups drawn had no reward variance "
+                                   "(every episode scored alike) and were skipped; the time bound (job_minutes = 28) "
+                                   "ended the phase."]
+    # all the updates asked: nothing to warn about
+    assert summarise(tmp_path, asked_updates=2)["warnings"] == []

@@ -1,4 +1,4 @@
-"""`stepline up --serve-pool` (issue 12's finding 2): the engine's control endpoints and the pool service
+"""`stepline up --serve-pool`: the engine's control endpoints and the pool service
 need the tokens `up` made, which reach the gateway through its environment and show in no argv."""
 
 from __future__ import annotations

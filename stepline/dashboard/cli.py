@@ -92,9 +92,20 @@ def dashboard_beside(target: list[str], port: int | None, logs: Path, env: dict[
         stop_all([child])
 
 
+POOL_SCHEMES = ("sqlite://", "postgresql://", "postgres://", "http://", "https://")
+
+
+def pool_url(ctx: click.Context, param: click.Parameter, url: str | None) -> str | None:
+    """A pool URL of a known scheme, or a path that exists (a pool file); a SQLite pool may not exist yet."""
+    if url is not None and not url.startswith(POOL_SCHEMES) and not Path(url).exists():
+        raise click.BadParameter(f"{url!r} is neither a pool URL ({', '.join(POOL_SCHEMES[:4])}…) nor a file that exists",
+                                 ctx=ctx, param=param)
+    return url
+
+
 @click.command("dashboard")
 @click.argument("run_dir", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--pool", help="Show a pool alone (sqlite:///…, postgresql://…, http://… of `stepline pool serve`); "
+@click.option("--pool", callback=pool_url, help="Show a pool alone (sqlite:///…, postgresql://…, http://… of `stepline pool serve`); "
                              "with RUN_DIR: instead of its pool.db.")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True, help="0 picks a free port.")
 @click.option("--host", default="127.0.0.1", show_default=True,

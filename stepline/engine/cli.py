@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from stepline.engine.options import EngineOptions
+from stepline.modeldir import model_dir_option
 
 __all__ = ["engine_command"]
 
@@ -23,7 +24,7 @@ def _help(name: str) -> str:
 
 
 @click.command("engine")
-@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path), callback=model_dir_option(),
               help="HF model directory (e.g. from `stepline make-model`).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=30000, show_default=True, type=click.IntRange(0, 65535))

@@ -32,6 +32,7 @@ from stepline.gateway.fleet import EngineRouter, WeightGate
 from stepline.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
 from stepline.gateway.recorder import Recorder
 from stepline.gateway.spill import Spill
+from stepline.modeldir import model_dir_option
 
 __all__ = ["Gateway", "gateway_command", "running_gateway"]
 
@@ -99,8 +100,17 @@ async def running_gateway(
             await router.aclose()
 
 
+def http_urls(ctx: click.Context, param: click.Parameter, urls: tuple[str, ...]) -> tuple[str, ...]:
+    """Engine base URLs: http:// or https:// each (a bare host:port is refused, naming it)."""
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise click.BadParameter(f"{url!r} is not an http:// or https:// URL", ctx=ctx, param=param)
+    return urls
+
+
 @click.command("gateway")
-@click.option("--engine", "engines", multiple=True, required=True, help="Engine base URL (repeat for several).")
+@click.option("--engine", "engines", multiple=True, required=True, callback=http_urls,
+              help="Engine base URL (repeat for several).")
 @click.option(
     "--engine-kind",
     type=click.Choice(ENGINE_KINDS),
@@ -112,7 +122,8 @@ async def running_gateway(
     "--model",
     "model_dir",
     required=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
+    callback=model_dir_option(("tokenizer.json",)),
     help="Model directory: its tokenizer and chat template render the prompts.",
 )
 @click.option(

@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from stepline.launch.job import JobConfig, JobError, load_job, trainer_config
+from stepline.modeldir import BUILD_HINT
 from stepline.trainer.config import TrainerConfig
 
 __all__ = ["eval_command", "replay_command", "train_command"]
@@ -36,7 +37,12 @@ def _job(path: Path) -> JobConfig:
 
 
 def _trainer(job: JobConfig, path: Path) -> TrainerConfig:
-    """The job's whole TrainerConfig (the admin token defaults to $STEPLINE_ADMIN_TOKEN)."""
+    """The job's whole TrainerConfig (the admin token defaults to $STEPLINE_ADMIN_TOKEN); a job without a
+    [trainer] model_dir (one made for `stepline run`, which fills it in) is told what it needs."""
+    if "model_dir" not in job.trainer:
+        raise click.ClickException(
+            f"invalid job file {path}:\n  trainer.model_dir: not set; `stepline train` and `replay` need the model to "
+            f"train (`stepline run` fills it in): {BUILD_HINT}, then set [trainer] model_dir = \"DIR\"")
     table = {"admin_token": os.environ.get("STEPLINE_ADMIN_TOKEN"), **job.trainer}
     try:
         return trainer_config(table, source=f"job file {path}")
@@ -54,7 +60,10 @@ def _quiet_hf() -> None:
 @click.command("train")
 @click.argument("job", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def train_command(job: Path) -> None:
-    """Train from JOB.toml against the pool in its [pool] table (rollouts run elsewhere, into that pool)."""
+    """Train on the episodes agents record into JOB.toml's [pool] (through a gateway: `stepline up`).
+
+    It runs no rollouts of its own: it claims complete groups as they arrive, updates the policy from
+    [trainer] model_dir, and pushes each new policy to [trainer] gateway_url (none: weights stay on disk)."""
     from stepline.datapool import open_pool
     from stepline.trainer.loop import train
     from stepline.trainer.weight_sync import GatewayWeightSync, NoWeightSync
@@ -95,6 +104,17 @@ def replay_command(job: Path, pool_file: Path) -> None:
     click.echo(f"replayed {len(state.consumed)} groups in {state.update} updates; output in {cfg.output_dir}")
 
 
+def _reachable(gateway_url: str) -> None:
+    """A gateway that cannot be reached stops `eval` before any episode runs, naming the URL."""
+    import httpx
+
+    try:
+        httpx.get(f"{gateway_url.rstrip('/')}/health", timeout=10)
+    except httpx.TransportError as exc:
+        raise click.ClickException(f"--gateway {gateway_url}: no gateway answers there ({exc}); start one with "
+                                   "`stepline up --model DIR`") from exc
+
+
 @click.command("eval")
 @click.argument("job_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--gateway", "gateway_url", default=lambda: os.environ.get("STEPLINE_GATEWAY_URL"),
@@ -119,6 +139,7 @@ def eval_command(job_file: Path, gateway_url: str | None, admin_token: str | Non
     config = _job(job_file).rollout
     if not config.harnesses:
         raise click.UsageError(f"{job_file} has no [[rollout.harnesses]]")
+    _reachable(gateway_url)
     report = asyncio.run(evaluate(config, gateway_url, admin_token, split, limit, temperature))
     out_file.write_text(json.dumps(report, indent=1))
     click.echo(format_stats(report["harnesses"]))

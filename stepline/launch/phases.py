@@ -179,17 +179,28 @@ def save_rollouts(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text(json.dumps(earlier + [{**r, "batch": r.get("batch", 0) + offset} for r in rows], indent=1))
 
 
+def time_bound(cfg: JobConfig) -> str | None:
+    """The job's time bounds on the RL phase, as the job file writes them (None: none)."""
+    bounds = [f"{name} = {value:g}" for name, value in (("rl_minutes", cfg.rl_minutes), ("job_minutes", cfg.job_minutes))
+              if value is not None]
+    return ", ".join(bounds) or None
+
+
+def run_files(run: RunDir, plot: Path) -> dict[str, str]:
+    """The files and folders the summary points at, those that exist only (a job with no update wrote no weights,
+    one with tensorboard off no tb/)."""
+    files = {"config": run.root / "job.json", "sft_model": run.sft_model, "metrics_jsonl": run.rl / "metrics.jsonl",
+             "tensorboard": run.rl / "tb", "pool": run.pool_db, "rollouts": run.rl / "rollouts.json",
+             "checkpoints": run.rl / "checkpoints", "weights": run.rl / "weights", "plot": plot, "logs": run.logs}
+    return {name: str(path) for name, path in files.items() if path.exists()}
+
+
 def write_summary(cfg: JobConfig, run: RunDir) -> dict[str, Any]:
     from stepline.report import plot_run, summarise
 
-    summary = summarise(run.root)
+    summary = summarise(run.root, cfg.rl_updates, time_bound(cfg))
     summary["phases_s"] = run.phases()
-    plot = plot_run(run.root, run.root / "progress.png")
-    summary["files"] = {
-        "config": str(run.root / "job.json"), "metrics_jsonl": str(run.rl / "metrics.jsonl"),
-        "tensorboard": str(run.rl / "tb"), "pool": str(run.pool_db), "checkpoints": str(run.rl / "checkpoints"),
-        "weights": str(run.rl / "weights"), "plot": str(plot), "logs": str(run.logs),
-    }
+    summary["files"] = run_files(run, plot_run(run.root, run.root / "progress.png"))
     (run.root / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

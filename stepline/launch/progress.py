@@ -12,9 +12,10 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from stepline.report import flat_groups
 from stepline.rollout.pacing import BackgroundRollouts
 
-__all__ = ["RLProgress"]
+__all__ = ["RLProgress", "skip_warning"]
 
 
 def last_metrics(path: Path) -> tuple[int, dict[str, Any]]:
@@ -25,6 +26,18 @@ def last_metrics(path: Path) -> tuple[int, dict[str, Any]]:
     return len(lines), (json.loads(lines[-1]) if lines else {})
 
 
+def skip_warning(updates: int, total: int, rollouts: list[dict[str, Any]], finished: bool) -> str | None:
+    """The panel's loud line: groups are being skipped and no update came of them yet, or the phase ended short."""
+    flat, groups = flat_groups(rollouts)
+    if finished and updates < total:
+        return (f"[bold red]RL made {updates} of the {total} updates asked[/] ({flat} of {groups} groups drawn had no "
+                "reward variance and were skipped)")
+    if updates == 0 and flat and flat == groups:
+        return (f"[bold red]no update yet: all {groups} groups drawn had no reward variance[/] (every episode of a "
+                "group scored alike: skipped, nothing to learn from)")
+    return None
+
+
 class RLProgress:
     """A rich Live panel refreshed from the trainer's metrics file and the rollout driver's stats."""
 
@@ -33,6 +46,7 @@ class RLProgress:
         self.bar = Progress(TextColumn("[bold]RL updates"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         self.task = self.bar.add_task("", total=total_updates)
         self.live = Live(self._render(), refresh_per_second=1, transient=False)
+        self.total, self.finished = total_updates, False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh, daemon=True)
 
@@ -44,6 +58,7 @@ class RLProgress:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
+        self.finished = True
         self.live.update(self._render())
         self.live.__exit__(*exc)
 
@@ -62,4 +77,6 @@ class RLProgress:
                           f"{s['mean_reward']:.2f}", f"{s['episodes_per_s']:.2f}")
         keys = ("reward_mean", "policy_loss", "staleness_mean", "staleness_max", "tree_token_saving", "tokens_per_s")
         trainer = "  ".join(f"{k}={row[k]:.3g}" for k in keys if isinstance(row.get(k), (int, float)))
-        return Group(self.bar, table, trainer or "waiting for the first update…")
+        warning = skip_warning(done, self.total, list(self.rollouts.history), self.finished)
+        lines = [trainer or "waiting for the first update…", *([warning] if warning else [])]
+        return Group(self.bar, table, *lines)

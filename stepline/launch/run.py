@@ -73,7 +73,7 @@ def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[
 
 def slow_cpu_note(cfg: JobConfig) -> str | None:
     """A word before a time-bounded job starts on a CPU without bf16 units: SFT and evaluation then take most of
-    the bound (README: Measured numbers > The main job)."""
+    the bound (docs/results.md: The main job)."""
     import torch
 
     from stepline.trainer.precision import fast_bf16

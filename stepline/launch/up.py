@@ -23,6 +23,7 @@ from stepline.gateway.config import GatewaySettings
 from stepline.launch.job import ServicesSection
 from stepline.launch.services import Services, tail
 from stepline.launch.wiring import POOL_RIGHTS, processes, services_option, start_local, up_system
+from stepline.modeldir import model_dir_option
 
 __all__ = ["up_command"]
 
@@ -65,7 +66,8 @@ Ctrl-C stops everything (the gateway flushes its records to the pool first).
     "--model",
     "model_dir",
     required=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
+    callback=model_dir_option(),
     help="Model directory (e.g. from `stepline make-model`).",
 )
 @click.option("--port", default=GatewaySettings.model_fields["port"].default, show_default=True,

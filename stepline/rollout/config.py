@@ -28,7 +28,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["HarnessSpec", "RolloutConfig", "TreeSearch", "list_tasks", "task_references"]
+__all__ = ["HarnessError", "HarnessSpec", "RolloutConfig", "TreeSearch", "list_tasks", "task_references"]
+
+
+class HarnessError(RuntimeError):
+    """A harness's tasks command failed or printed something else than its contract says (the message names it)."""
 
 
 class TreeSearch(BaseModel):
@@ -135,10 +139,10 @@ def task_references(spec: HarnessSpec, split: str | None = None) -> dict[str, st
     argv = [sys.executable, "-m", f"{spec.module}.tasks", "--split", split or spec.split, "--references"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
-        raise RuntimeError(f"harness {spec.name!r}: {' '.join(argv)} failed: {done.stderr.strip()[-300:]}")
+        raise HarnessError(f"harness {spec.name!r}: {' '.join(argv)} failed: {done.stderr.strip()[-300:]}")
     table = json.loads(done.stdout)
     if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
-        raise RuntimeError(f"harness {spec.name!r}: the tasks command printed no table of gold answers")
+        raise HarnessError(f"harness {spec.name!r}: the tasks command printed no table of gold answers")
     return table
 
 
@@ -149,8 +153,8 @@ def list_tasks(spec: HarnessSpec, split: str | None = None) -> list[str]:
     argv = [sys.executable, "-m", f"{spec.module}.tasks", "--split", split or spec.split]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
-        raise RuntimeError(f"harness {spec.name!r}: {' '.join(argv)} failed: {done.stderr.strip()[-300:]}")
+        raise HarnessError(f"harness {spec.name!r}: {' '.join(argv)} failed: {done.stderr.strip()[-300:]}")
     ids = json.loads(done.stdout)
     if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
-        raise RuntimeError(f"harness {spec.name!r}: tasks command printed no list of task ids")
+        raise HarnessError(f"harness {spec.name!r}: tasks command printed no list of task ids")
     return ids

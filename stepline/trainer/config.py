@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from stepline.modeldir import model_dir_problem
+
 __all__ = ["TrainerConfig"]
 
 
@@ -157,16 +159,17 @@ class TrainerConfig(BaseModel):
     @field_validator("model_dir")
     @classmethod
     def _model(cls, v: Path) -> Path:
-        if not (v / "config.json").is_file():
-            raise ValueError(f"no Hugging Face model at {v} (config.json missing)")
+        problem = model_dir_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("train_layers")
     @classmethod
     def _layers(cls, v: int | None, info: ValidationInfo) -> int | None:
         """At most the model's number of layers (read from its config.json, nothing loaded)."""
-        model_dir = info.data.get("model_dir")
-        if v is not None and model_dir is not None:
+        model_dir = info.data.get("model_dir")  # absent where it failed its own check
+        if v is not None and model_dir is not None and (model_dir / "config.json").is_file():
             n = json.loads((model_dir / "config.json").read_text()).get("num_hidden_layers")
             if n is not None and v > n:
                 raise ValueError(f"train_layers ({v}) exceeds the model's {n} layers")
@@ -179,7 +182,7 @@ class TrainerConfig(BaseModel):
         if not v:
             raise ValueError("lora_targets is empty")
         model_dir = info.data.get("model_dir")
-        if model_dir is not None and info.data.get("lora_rank") is not None:
+        if model_dir is not None and (model_dir / "config.json").is_file() and info.data.get("lora_rank") is not None:
             known = _linear_names(model_dir)
             unknown = sorted(set(v) - known)
             if unknown:

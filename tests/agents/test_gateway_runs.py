@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes.engine import FakeEngine, Scripted, recording_gateway
 from tokenizers import Tokenizer
 
 from stepline.agents.search.harness import play as search_play
 from stepline.agents.ui.harness import play as ui_play
-from fakes.engine import FakeEngine, Scripted, recording_gateway
 from stepline.rollout.client import GatewayClient
 from stepline.rollout.config import HarnessSpec, RolloutConfig
 from stepline.rollout.driver import RolloutDriver

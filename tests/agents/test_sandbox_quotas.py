@@ -1,4 +1,4 @@
-"""Per-episode disk and inode quotas of the terminal sandbox (issue 12, finding 13: 320 MiB written in 0.9 s,
+"""Per-episode disk and inode quotas of the terminal sandbox (a runaway writer: 320 MiB written in 0.9 s,
 20,000 files, a setuid binary left behind).
 
 The quota is a tmpfs in a mount namespace held by a child of the harness (stepline/agents/terminal/quota.py). The

@@ -1,4 +1,4 @@
-"""Fuzz the pool service's routes (issue 12): mutated and random msgpack bodies to every method never
+"""Fuzz the pool service's routes: mutated and random msgpack bodies to every method never
 get a 5xx (a 503 would tell the client to retry its own mistake) or hang.
 
 Bounded by default (STEPLINE_FUZZ_EXAMPLES, 200); the long run (README, Hardening):

@@ -1,4 +1,4 @@
-"""The pool service's edge (issue 12's findings 2 and 9): tokens with read / write / claim rights,
+"""The pool service's edge: tokens with read / write / claim rights,
 and a client's mistakes answered 4xx (never retried) apart from storage failures (503, retried)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_a_clients_mistake_is_400_not_500_or_503(tmp_path, args: dict, why: str)
 
 
 def test_tokens_separate_read_write_and_claim(tmp_path) -> None:
-    # finding 2: anyone local could read every session, forge rewards, end sessions, claim groups
+    # anyone local could read every session, forge rewards, end sessions, claim groups
     tokens = Tokens(read="r", write="w", claim="c")
     with ServiceThread(f"sqlite:///{tmp_path}/p.db", tokens) as service:
         url = service.url

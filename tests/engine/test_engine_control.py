@@ -1,4 +1,4 @@
-"""Weight updates, weight versions, pause/continue, and every bad input of the issue (4xx, still serving)."""
+"""Weight updates, weight versions, pause/continue, and every bad input of the control endpoints (4xx, still serving)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fuzz the built-in engine's /generate (issue 12): mutated and random bodies never get a 5xx or hang.
+"""Fuzz the built-in engine's /generate: mutated and random bodies never get a 5xx or hang.
 
 Bounded by default (STEPLINE_FUZZ_EXAMPLES, 200); the long run (README, Hardening):
 `STEPLINE_FUZZ_EXAMPLES=2000 python -m pytest -q tests/engine/test_engine_fuzz.py -s`. The engine's

@@ -1,4 +1,4 @@
-"""The engine's edge (issue 12's findings 1, 2, 6, 7, 10, 11): body limit (413), header and body read
+"""The engine's edge: body limit (413), header and body read
 timeouts, a token on the control endpoints, seeds and text range-checked, a batch cap, and one bad
 request never aborting the others."""
 
@@ -23,7 +23,7 @@ def guarded(tiny_model_dir: Path) -> Iterator[str]:
 
 
 def test_a_body_over_the_limit_is_413(client: httpx.Client) -> None:
-    # finding 1: 10 MB of text stalled the engine for 22 s; the default limit is 8 MiB
+    # 10 MB of text stalled the engine for 22 s; the default limit is 8 MiB
     body = b'{"input_ids": [' + b"1," * 4_500_000 + b'1]}'
     r = client.post("/generate", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 413, r.text
@@ -32,7 +32,7 @@ def test_a_body_over_the_limit_is_413(client: httpx.Client) -> None:
 
 
 def test_the_control_endpoints_need_the_token(guarded: str) -> None:
-    # finding 2: anyone local could pause, abort, set the version, update weights
+    # anyone local could pause, abort, set the version, update weights
     with httpx.Client(base_url=guarded, timeout=60) as c:
         for path, body in [("/pause_generation", {}), ("/continue_generation", {}), ("/abort_request", {"abort_all": True}),
                            ("/update_weight_version", {"new_version": "777"}), ("/flush_cache", {}),
@@ -50,7 +50,7 @@ def test_the_control_endpoints_need_the_token(guarded: str) -> None:
 
 
 def test_a_lone_surrogate_is_400(client: httpx.Client) -> None:
-    # finding 10: "a\ud800" reached the tokenizer -> 500
+    # "a\ud800" reached the tokenizer -> 500
     for body in [b'{"text": "a\\ud800"}', b'{"text": ["ok", "\\udfff"]}',
                  b'{"input_ids": [1], "rid": "\\ud800"}', b'{"text": "a", "sampling_params": {"stop": "\\ud800"}}']:
         r = client.post("/generate", content=body, headers={"content-type": "application/json"})
@@ -59,7 +59,7 @@ def test_a_lone_surrogate_is_400(client: httpx.Client) -> None:
 
 
 def test_a_seed_past_64_bits_is_400_and_aborts_nobody(client: httpx.Client) -> None:
-    # finding 6: sampling_seed 2^64 passed the schema, failed torch's manual_seed inside the step and
+    # sampling_seed 2^64 passed the schema, failed torch's manual_seed inside the step and
     # aborted every running request
     results: list[dict] = []
     long = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 60, "temperature": 1.0, "ignore_eos": True}}
@@ -74,7 +74,7 @@ def test_a_seed_past_64_bits_is_400_and_aborts_nobody(client: httpx.Client) -> N
 
 
 def test_a_batch_is_capped(client: httpx.Client) -> None:
-    # finding 7: one request may not become thousands of sequences
+    # one request may not become thousands of sequences
     body = {"input_ids": [[1]] * 17, "sampling_params": {"n": 64, "max_new_tokens": 1}}
     r = client.post("/generate", json=body)
     assert r.status_code == 400 and "at most" in r.json()["error"]["message"]
@@ -88,7 +88,7 @@ def _raw(url: str) -> socket.socket:
 
 
 def test_slow_headers_and_bodies_are_cut_off(guarded: str) -> None:
-    # finding 11: partial requests held connections for as long as the client liked
+    # partial requests held connections for as long as the client liked
     with _raw(guarded) as sock:
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")  # headers never finish
         assert sock.recv(1024) == b""  # closed by the engine (a hang would raise socket.timeout)

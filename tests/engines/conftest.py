@@ -29,8 +29,8 @@ from pathlib import Path
 import click
 import httpx
 import pytest
-
 from fakes.engine import FakeEngine
+
 from stepline.launch.services import Child, wait_healthy
 from stepline.models import VLLM_SHAPE, build_model
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import aiohttp
 import httpx
 import pytest
+from fakes.engine import FakeEngine, recording_gateway
 
 from stepline.gateway.engines import make_engine
 from stepline.gateway.engines.probe import EngineMismatch, check_engines
-from fakes.engine import FakeEngine, recording_gateway
 
 
 @pytest.mark.parametrize("api", ["sglang", "vllm"])

@@ -13,13 +13,13 @@ from typing import Any
 
 import httpx
 import numpy as np
+from fakes.engine import FakeEngine, Scripted
 from tokenizers import Tokenizer
 
 from stepline.datapool import open_pool
 from stepline.datapool.base import Pool
 from stepline.gateway.cli import Gateway, running_gateway
 from stepline.gateway.config import GatewaySettings
-from fakes.engine import FakeEngine, Scripted
 
 END = "<|im_end|>"
 

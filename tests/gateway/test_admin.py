@@ -8,12 +8,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from fakes.engine import FakeEngine
 
 from stepline.gateway.admin import admin_routes
 from stepline.gateway.engines import make_engine
 from stepline.gateway.fleet import EngineRouter, WeightGate
 from stepline.gateway.frontends.routes import error_boundary
-from fakes.engine import FakeEngine
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

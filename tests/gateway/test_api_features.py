@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import openai
-from gateway_helpers import fake_engine, scripted, serve, tokenizer
-
 from fakes.engine import Scripted
+from gateway_helpers import fake_engine, scripted, serve, tokenizer
 
 
 async def test_sampling_options_n_and_logprobs(qwen3_model_dir: Path, tmp_path: Path) -> None:

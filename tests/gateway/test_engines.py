@@ -8,6 +8,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
+from fakes.engine import FakeEngine, Scripted
 
 from stepline.gateway.engines import (
     EngineError,
@@ -18,7 +19,6 @@ from stepline.gateway.engines import (
     make_engine,
 )
 from stepline.gateway.fleet import EngineRouter
-from fakes.engine import FakeEngine, Scripted
 
 # (kind, FakeEngine api, SGLang incremental streaming)
 FORMATS = [("sglang", "sglang", False), ("builtin", "sglang", True), ("vllm", "vllm", False)]

@@ -23,13 +23,13 @@ import anthropic
 import httpx
 import openai
 import pytest
+from fakes.engine import FakeEngine, Scripted
 from gateway_helpers import serve
 from tokenizers import Tokenizer
 
 from stepline.gateway.parsers import collect, make_parser
 from stepline.gateway.profile import detect
 from stepline.gateway.templating import ChatTemplate
-from fakes.engine import FakeEngine, Scripted
 from stepline.gateway.tool_prompt import injector
 
 

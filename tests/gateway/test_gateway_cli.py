@@ -17,10 +17,10 @@ import httpx
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from fakes.engine import FakeEngine, Scripted
 from tokenizers import Tokenizer
 
 from stepline.cli import main
-from fakes.engine import FakeEngine, Scripted
 
 ADMIN = {"Authorization": "Bearer adm"}
 

@@ -1,4 +1,4 @@
-"""Bounded work per request and validation at the edge (issue 12's findings 1, 3, 7, 8): bodies
+"""Bounded work per request and validation at the edge: bodies
 counted after decompression (413), large bodies parsed and rendered off the event loop, prompt batches
 and n capped, integers beyond 64 bits refused with a 400 that names the field, and a session's URL
 is an address, not a credential."""
@@ -48,7 +48,7 @@ def post(gw: ServedInThread, session: dict, path: str, body: object = None, cont
 
 
 def test_a_small_gzip_body_inflating_past_the_limit_is_413(gw: ServedInThread, session: dict) -> None:
-    # finding 1: 20 KB of gzip inflating to 10 MB used to be parsed and tokenised in full
+    # 20 KB of gzip inflating to 10 MB used to be parsed and tokenised in full
     big = orjson.dumps({**CHAT, "messages": [{"role": "user", "content": "a" * 10_000_000}]})
     packed = gzip.compress(big)
     assert len(packed) < 100_000
@@ -78,7 +78,7 @@ def test_a_large_body_is_rendered_off_the_event_loop(gw: ServedInThread, session
 
 
 def test_completions_prompt_batches_and_n_are_capped(gw: ServedInThread, session: dict) -> None:
-    # finding 7: one request of 1,600 prompts became 1,600 engine requests
+    # one request of 1,600 prompts became 1,600 engine requests
     r = post(gw, session, "completions", {"model": "m", "prompt": ["hi"] * 65, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     r = post(gw, session, "completions", {"model": "m", "prompt": ["hi"] * 17, "n": 16, "max_tokens": 2})
@@ -100,7 +100,7 @@ def test_completions_prompt_batches_and_n_are_capped(gw: ServedInThread, session
 ])
 def test_integers_beyond_64_bits_are_400_naming_the_field(gw: ServedInThread, session: dict, path: str,
                                                           body: dict, field: str) -> None:
-    # finding 8: they passed the schema and failed in orjson ("Integer exceeds 64-bit range") -> 500
+    # they passed the schema and failed in orjson ("Integer exceeds 64-bit range") -> 500
     r = post(gw, session, path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     assert field in r.text
@@ -128,7 +128,7 @@ async def _until(condition, seconds: float = 15.0) -> bool:
 
 
 async def test_a_client_hanging_up_cancels_its_engine_request(qwen3_model_dir: Path, tmp_path: Path) -> None:
-    # finding 12: the engine kept generating >= 25 s after the client was gone
+    # the engine kept generating >= 25 s after the client was gone
     tok = tokenizer(qwen3_model_dir)
     engine = fake_engine(tok, ["hello"], latency=60.0)
     async with engine as url, serve(qwen3_model_dir, [url], tmp_path) as served:
@@ -151,7 +151,7 @@ def _raw(url: str) -> socket.socket:
 
 
 async def test_slow_headers_and_bodies_are_cut_off(qwen3_model_dir: Path, tmp_path: Path) -> None:
-    # finding 11: slowloris partial requests held connections 40-45 s each
+    # slowloris partial requests held connections 40-45 s each
     engine = fake_engine(tokenizer(qwen3_model_dir), [])
     async with engine as url, serve(qwen3_model_dir, [url], tmp_path, read_timeout=0.5) as served:
         s = await served.session()
@@ -173,7 +173,7 @@ async def test_slow_headers_and_bodies_are_cut_off(qwen3_model_dir: Path, tmp_pa
 
 
 def test_a_session_id_alone_authorises_nothing(gw: ServedInThread, session: dict) -> None:
-    # finding 3: /s/<id>/v1/... with no key, a bogus key, or X-Session-Id without a key answered 200
+    # /s/<id>/v1/... with no key, a bogus key, or X-Session-Id without a key answered 200
     url = f"{gw.served.url}/s/{session['session_id']}/v1/chat/completions"
     for headers in [{}, {"Authorization": "Bearer sk-bogus"}, {"x-api-key": "sk-bogus"}]:
         r = gw.client.post(url, json=CHAT, headers=headers)

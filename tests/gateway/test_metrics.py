@@ -9,6 +9,7 @@ import aiohttp
 import httpx
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from fakes.engine import FakeEngine
 from gateway_helpers import fake_engine, serve, tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,7 +18,6 @@ from stepline.gateway.engines import make_engine
 from stepline.gateway.fleet import EngineRouter, WeightGate
 from stepline.gateway.metrics import GatewayMetrics
 from stepline.gateway.recorder import Recorder
-from fakes.engine import FakeEngine
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:

@@ -1,4 +1,4 @@
-"""No session blocks its group forever (issue 12's finding 4): idle sessions end as `abandoned`, those a
+"""No session blocks its group forever: idle sessions end as `abandoned`, those a
 killed gateway left open included, and their group becomes claimable."""
 
 from __future__ import annotations

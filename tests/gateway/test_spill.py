@@ -1,4 +1,4 @@
-"""The spill file (issue 12, finding 5): calls acknowledged while the pool is down survive a restart.
+"""The spill file: calls acknowledged while the pool is down survive a restart.
 
 Before it, a pool outage followed by a gateway crash or shutdown lost every queued call (4 of 4 in the
 report); these tests pin that each acknowledged call reaches the pool once, after a restart."""

@@ -123,6 +123,7 @@ def test_the_cli_refuses_unknown_parser_names(tmp_path) -> None:
 
     from stepline.gateway.cli import gateway_command
 
+    (tmp_path / "tokenizer.json").write_text("{}")  # passes the --model check; the parser names fail first
     args = ["--engine", "http://127.0.0.1:9", "--model", str(tmp_path), "--pool", "sqlite:///x.db"]
     result = CliRunner().invoke(gateway_command, args + ["--tool-parser", "hermez"])
     assert result.exit_code == 2 and "qwen3_coder" in result.output and "hermez" in result.output

@@ -11,9 +11,8 @@ import json
 from pathlib import Path
 
 import httpx
-from gateway_helpers import END, serve, tokenizer
-
 from fakes.engine import FakeEngine
+from gateway_helpers import END, serve, tokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "write a long story"}], "max_tokens": 300}
 

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from fakes.engine import FakeEngine
 
 from stepline.gateway.engines import EngineError, SamplingParams, make_engine
 from stepline.gateway.fleet import EngineRouter, Paused, UpdateRefused, WeightGate
-from fakes.engine import FakeEngine
 
 
 @pytest.fixture

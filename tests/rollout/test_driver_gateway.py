@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from fakes.engine import FakeEngine, Scripted, recording_gateway
 from tokenizers import Tokenizer
 
-from fakes.engine import FakeEngine, Scripted, recording_gateway
 from stepline.rollout.client import GatewayClient
 from stepline.rollout.config import HarnessSpec, RolloutConfig
 from stepline.rollout.driver import RolloutDriver

@@ -9,10 +9,10 @@ import random
 from pathlib import Path
 
 import pytest
+from fakes.engine import FakeEngine, Scripted, recording_gateway
 from tokenizers import Tokenizer
 
 from stepline.datapool.records import ForkPoint
-from fakes.engine import FakeEngine, Scripted, recording_gateway
 from stepline.rollout.client import GatewayClient
 from stepline.rollout.config import HarnessSpec, RolloutConfig, TreeSearch
 from stepline.rollout.driver import RolloutDriver

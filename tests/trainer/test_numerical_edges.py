@@ -1,5 +1,5 @@
 """Numerical edges found by checking against verl: k3 clamp, GSPO's capped log-ratio, masked NaN/inf
-selected away, and the IS weights keeping float64. Each fails on the code before issue 15."""
+selected away, and the IS weights keeping float64. Each fails where that guard is removed."""
 
 from __future__ import annotations
 

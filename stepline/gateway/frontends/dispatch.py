@@ -17,7 +17,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -52,7 +52,8 @@ class Dispatch:
             return list(replayed)
         if not self.recorder.has_capacity():
             raise self._overloaded
-        ids, samplings = ex.prompt.ids, ex.samplings  # int32 array: the adapters serialise it natively
+        # an int32 array, which the adapters serialise natively (their signatures say list[int])
+        ids, samplings = cast("list[int]", ex.prompt.ids), ex.samplings
         engine = None
         ex.timings["dispatched"] = now()
         try:
@@ -74,7 +75,7 @@ class Dispatch:
             return EngineStream.whole(replayed, self)
         if not self.recorder.has_capacity():
             raise self._overloaded
-        ids = ex.prompt.ids  # int32 array: the adapters serialise it natively
+        ids = cast("list[int]", ex.prompt.ids)  # an int32 array: the adapters serialise it natively
         admit = self.gate.admit()
         engine = None
         ex.timings["dispatched"] = now()
@@ -158,7 +159,7 @@ class EngineStream:
 
     async def aclose(self) -> None:
         try:
-            await self._rest.aclose()
+            await _aclose(self._rest)
         finally:
             await self._admit.__aexit__(None, None, None)
 

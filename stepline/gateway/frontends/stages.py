@@ -135,7 +135,7 @@ class Stages:
             if any(p.final is None for p in progress):
                 raise ApiError(502, "engine: the stream ended without a final chunk", code="engine_error")
             timings["done"] = now()
-            choices = [Choice(i, p.final, collect(p.events)) for i, p in enumerate(progress)]
+            choices = [Choice(i, p.final, collect(p.events)) for i, p in enumerate(progress) if p.final is not None]
             # recorded before the last event: the harness holds a whole answer only once its record is durable
             self.ledger.commit(ex, choices, emitter.answer(choices, ex.prompt), remember)
             await self.ledger.durable()

@@ -265,7 +265,7 @@ def gigpo(x: AdvantageInputs, *, step_weight: float = 1.0, gamma: float = 0.95, 
 
 @torch.no_grad()
 def capo(x: AdvantageInputs, *, gamma: float = 1.0) -> Tensor:
-    """CAPO's action-level advantage (action-aligned policy optimisation, in the issue's seed summary 002):
+    """CAPO's action-level advantage (action-aligned policy optimisation):
     the critic is read only at action boundaries and each action gets the one-step TD error
 
     A_t = r_t + γ V(s_{t+1}) − V(s_t),   V(s_T) = 0,  r_t = dense step reward (+ the outcome on the last step),
@@ -291,7 +291,7 @@ def information_gain(gold_prob: Tensor, x: AdvantageInputs) -> Tensor:
 
 @torch.no_grad()
 def igpo(x: AdvantageInputs, *, gamma: float = 1.0, eps: float = 1e-6) -> Tensor:
-    """IGPO, information-gain-based policy optimisation (Wang et al. 2025, arXiv:2510.14967; seed summary 002):
+    """IGPO, information-gain-based policy optimisation (Wang et al. 2025, arXiv:2510.14967):
     dense turn rewards from the policy's own belief in the gold answer, the outcome at the last step.
 
     r_t = IG_t (+ dense step reward) for t < T−1,  r_{T−1} = R_i (+ dense step reward);  IG_t: `information_gain`

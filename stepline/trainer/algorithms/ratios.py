@@ -73,8 +73,8 @@ def _masked_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor | None) -> Te
 def turn_ratio(
     logp: Tensor, old_logp: Tensor, *, step_ids: Tensor, traj_ids: Tensor | None = None, mask: Tensor | None = None
 ) -> Tensor:
-    """MPO's complete-turn ratio (multi-scale policy optimisation for long-horizon agents, in the issue's
-    seed summary): the value of every token's ratio is the whole turn's likelihood ratio, but the other
+    """MPO's complete-turn ratio (the paper "Multi-scale Policy Optimisation for long-horizon
+    agents"): the value of every token's ratio is the whole turn's likelihood ratio, but the other
     tokens' factors are stop-gradient, so token j keeps its own score gradient:
 
     r_j = sg( Π_{k∈turn(j), k≠j} r_k ) · r_j = exp( sg(Σ_{k≠j} log r_k) + log r_j ),  capped at e^10.
@@ -91,7 +91,7 @@ def turn_ratio(
 def prefix_ratio(
     logp: Tensor, old_logp: Tensor, *, step_ids: Tensor | None = None, traj_ids: Tensor, mask: Tensor | None = None
 ) -> Tensor:
-    """EPIC's prefix ratio (exact-KL prefix importance ratio clipping, in the issue's seed summary; the
+    """EPIC's prefix ratio (the paper "Exact-KL Prefix Importance ratio Clipping"; the
     cumulative prefix ratio is also the "theoretically rigorous" correction of MinPRO, arXiv:2601.22718):
 
     r_{≤t} = Π_{k≤t} π_θ(y_k)/π_old(y_k) = exp( Σ_{k≤t} log r_k ),  capped above at e^10 (no gradient beyond)

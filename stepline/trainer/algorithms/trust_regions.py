@@ -8,7 +8,8 @@ tensors [N]; the clipping losses (ppo, cispo, gmpo) accept either. Within a step
 bounds are constant over the unit (they are computed from the unit's mean), so it still clips as one.
 Divergence losses: `fn(logp, old_logp, advantages, seg, *, ...) -> Surrogate` (seg.level "token"),
 registered in POLICY_LOSSES; their binary total variation of a sampled token y is |π_θ(y) − π_old(y)| (the TV distance
-of the two-outcome distributions {y, not y}). Sources are the summaries in the issue's seed file 003.
+of the two-outcome distributions {y, not y}).
+Each function's docstring names its paper.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def fixed_clip(c: ClipInputs) -> ClipBounds:
 @torch.no_grad()
 def gapo_clip_high(outcome: Tensor, group: Tensor, *, clip_low: float, clip_max: float,
                    threshold: float = 0.5) -> Tensor:
-    """GAPO's group-adaptive upper clip (group adaptive clipping policy optimisation; seed summary 003):
+    """GAPO's group-adaptive upper clip (the paper "Group Adaptive Policy Optimisation"):
 
     ε_high(c) = ε_low + (ε_max − ε_low) · (k − c) / (k − 1)
     k = episodes in the group, c = those whose outcome ≥ threshold (correct). A rare correct rollout
@@ -86,7 +87,7 @@ def gapo_clip(c: ClipInputs, *, clip_max: float = 0.4, threshold: float = 0.5) -
 
 @torch.no_grad()
 def ripo_clip(c: ClipInputs, *, delta: float = 0.02) -> ClipBounds:
-    """RIPO's isometric clip (Riemannian isometric policy optimisation; seed summary 003):
+    """RIPO's isometric clip (the paper "Riemannian Isometric Policy Optimisation"):
 
     ε_t = sqrt( δ / π_old(y_t) ),   ratio clipped to [1 − ε_t, 1 + ε_t]
     A fixed step in the Fisher geometry of the categorical policy is a ratio step ∝ 1/sqrt(π): a
@@ -101,7 +102,7 @@ def ripo_clip(c: ClipInputs, *, delta: float = 0.02) -> ClipBounds:
 
 @torch.no_grad()
 def stale_clip(c: ClipInputs) -> ClipBounds:
-    """The stale-adaptive trust region ("Stale but Stable"; seed summary 003), as we read it: the detached
+    """The stale-adaptive trust region (the paper "Stale but Stable"), as we read it: the detached
     log-ratio d = log π_old − log μ between the trainer's policy at update start and the engine's behaviour
     policy measures staleness, and only the endpoint the advantage pushes towards is shrunk, so that it is
     measured from μ instead of π_old when the token already drifted that way:
@@ -137,7 +138,7 @@ def kl_clip(c: ClipInputs, *, delta: float = 0.02) -> ClipBounds:
     KL(π_old ‖ π_θ)) instead of in r: the ratio may move while f(r) ≤ δ, i.e. r ∈ [r_lo, r_hi] with
     f(r_lo) = f(r_hi) = δ. The region is naturally asymmetric (δ = 0.02: [0.813105, 1.213550]). This is the
     coordinate EPIC clips its prefix ratio in (use it with ratio = "prefix"); EPIC's calibration of the bound
-    by the geometric-mean behaviour probability is not given in the seed summary and is not applied here.
+    by the geometric-mean behaviour probability is not reproduced here.
     """
     high = _k3_root(delta, 1 + 2 * math.sqrt(2 * delta) + 2 * delta) - 1
     low = 1 - _k3_root(delta, math.exp(-1 - delta))
@@ -174,7 +175,7 @@ def dppo_loss(
     clip_low: Bound = 0.2, clip_high: Bound = 0.28, dual_clip: float | None = None, delta: float = 0.1,
 ) -> Surrogate:
     """DPPO's binary-TV trust region (Qi et al. 2026, "Rethinking the Trust Region in LLM RL", arXiv:2602.04879;
-    the base of DRPO and CPPO in seed summary 003): the ratio is not clipped; instead a token loses its
+    the base of DRPO and CPPO): the ratio is not clipped; instead a token loses its
     gradient once its probability moved more than δ in the direction its advantage pushes:
 
     L_t = −r_t A_t · (1 − M_t),   M_t = sg( 1[ sgn(A_t) · (π_θ(y_t) − π_old(y_t)) > δ ] )
@@ -194,7 +195,7 @@ def drpo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, seg: Segments = TOKENS, *,
     clip_low: Bound = 0.2, clip_high: Bound = 0.28, dual_clip: float | None = None, delta: float = 0.1,
 ) -> Surrogate:
-    """DRPO, divergence-regularised policy optimisation (Yao et al. 2026, arXiv:2606.09821; seed summary 003):
+    """DRPO, divergence-regularised policy optimisation (Yao et al. 2026, arXiv:2606.09821):
     DPPO's hard mask replaced by a smooth, |A|-weighted quadratic regulariser on the binary-TV shift:
 
     L_t = −r_t A_t + |A_t| · (π_θ(y_t) − π_old(y_t))² / (2 δ π_old(y_t))  =  −r_t A_t + |A_t| π_old (r_t − 1)² / (2δ)
@@ -217,8 +218,8 @@ def cppo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, seg: Segments = TOKENS, *,
     clip_low: Bound = 0.2, clip_high: Bound = 0.28, dual_clip: float | None = None, delta: float = 0.1, min_weight: float = 0.5, prefix_delta: float = 0.05,
 ) -> Surrogate:
-    """CPPO, cumulative prefix-divergence policy optimisation ("Beyond Uniform Token-Level Trust Region";
-    seed summary 003): DPPO's mask with a position-weighted threshold and a cumulative prefix budget.
+    """CPPO, cumulative prefix-divergence policy optimisation (the paper "Beyond Uniform
+    Token-Level Trust Region"): DPPO's mask with a position-weighted threshold and a cumulative prefix budget.
 
     d_t = |π_θ(y_t) − π_old(y_t)| (binary TV),  w_t = 1 − (1 − w_min) · p_t / (L − 1)  (p_t = 0..L−1, the
     token's position among its trajectory's L action tokens: 1 at the start, w_min at the end)

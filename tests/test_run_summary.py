@@ -1,0 +1,42 @@
+"""What `stepline run` writes at its end: the files it lists exist, and the live panel warns of skipped groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stepline.launch.job import load_job
+from stepline.launch.progress import skip_warning
+from stepline.launch.run import RunDir, run_files, time_bound
+
+
+def test_the_files_listed_are_those_that_exist(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    for folder in (run.logs, run.rl / "checkpoints"):
+        folder.mkdir(parents=True)
+    for path in (run.root / "job.json", run.rl / "metrics.jsonl", run.pool_db, run.root / "progress.png"):
+        path.write_text("")
+    files = run_files(run, run.root / "progress.png")
+    # no SFT ran, no update pushed weights, tensorboard off: model-sft/, rl/weights/ and rl/tb/ are not listed
+    assert sorted(files) == ["checkpoints", "config", "logs", "metrics_jsonl", "plot", "pool"]
+    assert all(Path(p).exists() for p in files.values())
+
+
+def test_the_time_bound_as_the_job_file_writes_it(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text("job_minutes = 28\n")
+    assert time_bound(load_job(job)) == "job_minutes = 28"
+    job.write_text("rl_updates = 3\n")
+    assert time_bound(load_job(job)) is None
+
+
+def _rows(groups: list[list[float]]) -> list[dict]:
+    return [{"harness": "h", "task_id": f"t{g}", "reward": r, "batch": 1} for g, rs in enumerate(groups) for r in rs]
+
+
+def test_the_panel_warns_while_every_group_is_skipped_and_when_the_phase_ends_short() -> None:
+    flat = _rows([[0.0, 0.0], [0.0, 0.0]])
+    assert "no update yet: all 2 groups drawn had no reward variance" in (skip_warning(0, 4, flat, False) or "")
+    assert skip_warning(0, 4, _rows([[0.0, 1.0]]), False) is None  # a group with signal: the update is coming
+    assert skip_warning(1, 4, flat, False) is None
+    assert "RL made 1 of the 4 updates asked" in (skip_warning(1, 4, flat, True) or "")
+    assert skip_warning(4, 4, flat, True) is None
