@@ -99,12 +99,18 @@ def op_task(task_id: str) -> dict[str, Any]:
             "ground_truth": _answers(category)[task_id]}
 
 
-def _choose(alternatives: list[Any]) -> tuple[bool, Any]:
-    """The first of a parameter's possible answers ("" means it may be left out): (give it, value)."""
-    for value in alternatives:
-        if value != "":
-            return True, _resolve(value)
-    return False, None
+def _choose(alternatives: Any, required: bool = False) -> tuple[bool, Any]:
+    """(give it, value) from a parameter's possible answers: left out where it may be ("" among them) unless
+    the function requires it (then "" itself is accepted), else the first. Leaving optional parameters out
+    keeps each call of a parallel answer from matching a sibling's possible answer that lists other parameters
+    (the checker matches calls to answers without order)."""
+    if not isinstance(alternatives, list):
+        return True, alternatives
+    if not alternatives:  # a few live entries list no answer for a required array: the checker takes []
+        return required, []
+    if "" in alternatives and not required:
+        return False, None
+    return True, _resolve(alternatives[0])
 
 
 def _resolve(value: Any) -> Any:
@@ -120,11 +126,13 @@ def _openai_name(name: str) -> str:
     return name.replace(".", "_")  # convert_to_tool's rule for OpenAI function names
 
 
-def _single_turn_expert(answer: list[dict[str, Any]]) -> list[list[list[dict[str, Any]]]]:
+def _single_turn_expert(task_id: str, answer: list[dict[str, Any]]) -> list[list[list[dict[str, Any]]]]:
+    functions = {f["name"]: f for f in _entries(category_of(task_id), True)[task_id]["function"]}
     calls = []
     for call in answer:
         (name, params), = call.items()
-        arguments = {k: v for k, (give, v) in ((k, _choose(alts)) for k, alts in params.items()) if give}
+        required = set(functions.get(name, {}).get("parameters", {}).get("required", []))
+        arguments = {k: v for k, (give, v) in ((k, _choose(alts, k in required)) for k, alts in params.items()) if give}
         calls.append({"name": _openai_name(name), "arguments": arguments})
     return [[calls]]
 
@@ -158,7 +166,7 @@ def _classes(entry: dict[str, Any]) -> list[type]:
 def op_expert(task_id: str) -> list[list[list[dict[str, Any]]]]:
     category = category_of(task_id)
     answer = _answers(category)[task_id]
-    return _multi_turn_expert(task_id, answer) if category.startswith("multi_turn") else _single_turn_expert(answer)
+    return _multi_turn_expert(task_id, answer) if category.startswith("multi_turn") else _single_turn_expert(task_id, answer)
 
 
 class Session:
