@@ -9,7 +9,7 @@ its tool conversion, its multi-turn API classes and executor, its decoders and i
 everything; nothing here re-implements them. Requests are one JSON object a line, `{"op": ..., ...}`;
 each answer is `{"ok": true, "result": ...}` or `{"ok": false, "error": "..."}`.
 
-    tasks   {categories}            -> {category: [task id, ...]} in the files' order
+    tasks   {categories}            -> {category: [task id, ...]} in the files' order (answerable ones)
     task    {id}                    -> {id, category, tools (OpenAI chat.completions), turns, ground_truth}
     expert  {id}                    -> the ground truth as tool calls: [[[{name, arguments}] per step] per turn]
     open    {id}                    -> the API classes of a multi-turn task, instantiated from its initial_config
@@ -34,7 +34,7 @@ import signal
 import socketserver
 import sys
 from functools import cache
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple", "live_multiple",
               "live_parallel", "live_parallel_multiple", "multi_turn_base")
@@ -101,16 +101,16 @@ def op_task(task_id: str) -> dict[str, Any]:
 
 def _choose(alternatives: Any, required: bool = False) -> tuple[bool, Any]:
     """(give it, value) from a parameter's possible answers: left out where it may be ("" among them) unless
-    the function requires it (then "" itself is accepted), else the first. Leaving optional parameters out
+    the function requires it, else the first (a required one's first other than ""). Leaving optional parameters out
     keeps each call of a parallel answer from matching a sibling's possible answer that lists other parameters
     (the checker matches calls to answers without order)."""
     if not isinstance(alternatives, list):
         return True, alternatives
-    if not alternatives:  # a few live entries list no answer for a required array: the checker takes []
-        return required, []
+    if not alternatives:
+        return False, None
     if "" in alternatives and not required:
         return False, None
-    return True, _resolve(alternatives[0])
+    return True, _resolve(next((a for a in alternatives if a != ""), ""))
 
 
 def _resolve(value: Any) -> Any:
@@ -161,6 +161,21 @@ def _classes(entry: dict[str, Any]) -> list[type]:
     from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING
 
     return [getattr(importlib.import_module(CLASS_FILE_PATH_MAPPING[c]), c) for c in entry["involved_classes"]]
+
+
+def answerable(task_id: str) -> bool:
+    """False for the few entries whose possible answer lists no value for a required parameter: BFCL's
+    checker rejects every answer to them (missing, or of the wrong type), so the harness leaves them out."""
+    category = category_of(task_id)
+    if category.startswith("multi_turn"):
+        return True
+    functions = {f["name"]: f for f in _entries(category, True)[task_id]["function"]}
+    for call in _answers(category)[task_id]:
+        (name, params), = call.items()
+        required = functions.get(name, {}).get("parameters", {}).get("required", [])
+        if any(params.get(k) == [] for k in required):
+            return False
+    return True
 
 
 def op_expert(task_id: str) -> list[list[list[dict[str, Any]]]]:
@@ -267,7 +282,8 @@ def _short(error: Any) -> str:
 def answer(session: Session, request: dict[str, Any]) -> Any:
     op = request.get("op")
     if op == "tasks":
-        return {c: list(_entries(c, True)) for c in request.get("categories") or CATEGORIES if c in CATEGORIES}
+        return {c: [t for t in _entries(c, True) if answerable(t)] for c in request.get("categories") or CATEGORIES
+                if c in CATEGORIES}
     if op == "task":
         return op_task(str(request["id"]))
     if op == "expert":
@@ -282,7 +298,15 @@ def answer(session: Session, request: dict[str, Any]) -> Any:
     raise BridgeError(f"unknown op {op!r}")
 
 
-def converse(rfile: BinaryIO, wfile: BinaryIO) -> None:
+class Lines(Protocol):
+    """A binary stream of request lines in, or of answer lines out (a pipe or a socket's files)."""
+
+    def __iter__(self) -> Any: ...
+    def write(self, data: bytes, /) -> Any: ...
+    def flush(self) -> Any: ...
+
+
+def converse(rfile: Lines, wfile: Lines) -> None:
     """Answer request lines until end of input; a failing request is answered, never fatal."""
     session = Session()
     for line in rfile:
