@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from stepline.launch.job import load_job
+from stepline.launch.phases import RunDir, run_files, time_bound
 from stepline.launch.progress import skip_warning
-from stepline.launch.run import RunDir, run_files, time_bound
 
 
 def test_the_files_listed_are_those_that_exist(tmp_path: Path) -> None:

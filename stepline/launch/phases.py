@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from stepline.trainer.config import TrainerConfig
 
 __all__ = ["EVAL_AFTER_GROWTH", "RunDir", "build_base_model", "evaluate_once", "rl_seconds_left", "save_rollouts",
-           "smallest_group", "trainer_configs", "warm_start", "warm_started", "write_summary"]
+           "run_files", "smallest_group", "time_bound", "trainer_configs", "warm_start", "warm_started", "write_summary"]
 
 
 class RunDir:
