@@ -175,6 +175,7 @@ def save_rollouts(path: Path, rows: list[dict[str, Any]]) -> None:
     """Append this run's episodes to those a stopped run of the same job wrote (resume keeps history);
     batch numbers continue after the earlier run's."""
     earlier = json.loads(path.read_text()) if path.is_file() else []
+    path.parent.mkdir(parents=True, exist_ok=True)  # also when the trainer failed before making its folder
     offset = 1 + max((r.get("batch", 0) for r in earlier), default=-1)
     path.write_text(json.dumps(earlier + [{**r, "batch": r.get("batch", 0) + offset} for r in rows], indent=1))
 

@@ -45,8 +45,8 @@ class RLProgress:
         self.metrics_file, self.rollouts = metrics_file, rollouts
         self.bar = Progress(TextColumn("[bold]RL updates"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         self.task = self.bar.add_task("", total=total_updates)
-        self.live = Live(self._render(), refresh_per_second=1, transient=False)
         self.total, self.finished = total_updates, False
+        self.live = Live(self._render(), refresh_per_second=1, transient=False)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh, daemon=True)
 
