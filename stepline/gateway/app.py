@@ -38,6 +38,7 @@ from stepline.gateway.frontends.stages import Stages
 from stepline.gateway.metrics import GatewayMetrics
 from stepline.gateway.profile import ModelProfile, detect
 from stepline.gateway.recorder import Recorder
+from stepline.gateway.forks import ForkLimits
 from stepline.gateway.session_service import SessionService
 from stepline.gateway.sessions import SessionStore
 from stepline.gateway.templating import ChatTemplate, load_template
@@ -79,7 +80,8 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=[error_boundary(metrics.observe_error, _flavour, _api)])
     app[PROFILE_KEY] = prompting.profile
-    app.cleanup_ctx.append(_reaping(service, settings.session_idle_timeout))
+    app.cleanup_ctx.append(_reaping(service, reaper.Timeouts(settings.session_idle_timeout,
+                                                              settings.fork_idle_timeout)))
 
     def model(handler: Handler) -> Handler:
         return model_route(handler, ledger, store)
@@ -89,7 +91,8 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
             app.router.add_post(f"{prefix}/{path}", model(partial(handle, edge, stages)))
         app.router.add_get(f"{prefix}/models", model(partial(list_models, edge, prompting)))
         app.router.add_post(f"{prefix}/messages/count_tokens", model(partial(messages.count_tokens, edge, template)))
-    app.router.add_routes(SessionRoutes(edge, service, template, settings.public_url).routes())
+    limits = ForkLimits(settings.max_forks_per_session, settings.max_forks_per_group, settings.retry_after)
+    app.router.add_routes(SessionRoutes(edge, service, template, settings.public_url, limits).routes())
     app.router.add_get("/health", model(partial(health, router, gate, store)))
     app.router.add_routes(admin_routes(gate, settings.admin_token))
     app.router.add_routes(metrics.routes())  # this app's registry only
@@ -106,10 +109,10 @@ def _model(settings: GatewaySettings, model_dir: Path) -> tuple[ChatTemplate, Pr
     return template, Prompting(settings, template, profile)
 
 
-def _reaping(service: SessionService, timeout: float) -> Callable[[web.Application], AsyncIterator[None]]:
+def _reaping(service: SessionService, timeouts: reaper.Timeouts) -> Callable[[web.Application], AsyncIterator[None]]:
     """The idle-session reaper (stepline.gateway.reaper) runs while the app does."""
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(reaper.run(service, timeout))
+        task = asyncio.create_task(reaper.run(service, timeouts))
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

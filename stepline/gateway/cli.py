@@ -178,6 +178,12 @@ def http_urls(ctx: click.Context, param: click.Parameter, urls: tuple[str, ...])
               show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Open sessions without a call for this long end as abandoned (and, at start, the pool's open "
               "sessions created longer ago: those a killed gateway left behind).")
+@click.option("--fork-idle-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Open forks without a call for this long end as abandoned (they would hold their group).")
+@click.option("--max-forks-per-session", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Forks one session may make (429 beyond).")
+@click.option("--max-forks-per-group", default=256, show_default=True, type=click.IntRange(min=0),
+              help="Forks of one group open at once (429 beyond).")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
 @click.option("--update-grace", default=5.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds in-flight calls may run on into a weight update before the engines end them.")

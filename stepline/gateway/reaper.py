@@ -6,8 +6,9 @@ and an open member keeps its whole group from being claimed. So:
 - at start, the pool's open sessions created more than `session_idle_timeout` s ago end as
   `abandoned` (those a killed gateway left behind: nothing can reach them any more; with several
   gateways on one pool, keep the timeout above the longest episode);
-- every min(timeout / 4, 300) s, sessions of this gateway with no call running and none ended for `session_idle_timeout` s
-  end as `abandoned` (through the recorder, after their queued calls; a later call gets 409), and so do
+- every min(timeout / 4, fork timeout / 4, 300) s, sessions of this gateway with no call running and none ended for
+  `session_idle_timeout` s (forks: `fork_idle_timeout` s, much shorter: a fork nobody plays, one of thousands a
+  harness opened, would otherwise hold its group as long as an episode may run) end as `abandoned` (through the recorder, after their queued calls; a later call gets 409), and so do
   the pool's open sessions that are not this gateway's and were created more than the timeout ago: the
   orphans of a gateway killed after this one started, or too recently for the sweep at start.
   A session with a call running is never idle: a call held long (a weight update that does not end, a client
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from stepline.datapool.base import PoolError
 from stepline.gateway.session_service import SessionService
@@ -27,13 +29,22 @@ from stepline.gateway.session_service import SessionService
 log = logging.getLogger(__name__)
 
 
-async def reap_once(service: SessionService, timeout: float) -> int:
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a session of this gateway may be idle (`session_idle_timeout`), and a fork (`fork_idle_timeout`)."""
+
+    idle: float
+    fork_idle: float
+
+
+async def reap_once(service: SessionService, timeouts: Timeouts) -> int:
     """One sweep of this gateway's sessions; returns how many it ended."""
-    idle = service.store.idle(timeout)
+    idle = service.store.idle(timeouts.idle, timeouts.fork_idle)
     for session, exc in await service.end(idle, "abandoned"):  # e.g. ended meanwhile by another route
         log.warning("abandoning %s: %s", session.info.session_id, exc)
     if idle:
-        log.info("abandoned %d sessions idle for more than %g s", len(idle), timeout)
+        log.info("abandoned %d sessions idle for more than %g s (forks: %g s)", len(idle), timeouts.idle,
+                 timeouts.fork_idle)
     return len(idle)
 
 
@@ -45,15 +56,15 @@ async def abandon_orphans(service: SessionService, timeout: float) -> None:
         log.warning("abandoning the pool's orphaned sessions: %s", exc)
 
 
-async def run(service: SessionService, timeout: float) -> None:
+async def run(service: SessionService, timeouts: Timeouts) -> None:
     """The pool's orphans at start, then this gateway's idle sessions and the pool's orphans periodically,
     until cancelled."""
-    await abandon_orphans(service, timeout)
-    interval = min(timeout / 4, 300.0)
+    await abandon_orphans(service, timeouts.idle)
+    interval = min(timeouts.idle / 4, timeouts.fork_idle / 4, 300.0)
     while True:
         await asyncio.sleep(interval)
         try:
-            await reap_once(service, timeout)
-            await abandon_orphans(service, timeout)
+            await reap_once(service, timeouts)
+            await abandon_orphans(service, timeouts.idle)
         except Exception:  # noqa: BLE001 - the pool is down: the recorder retries; sweep again later
             log.exception("idle-session sweep failed")
