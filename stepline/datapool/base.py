@@ -59,8 +59,11 @@ class Pool(Protocol):
     def add_reward(self, reward: Reward) -> None: ...
     def end_session(self, session_id: str, status: str = "completed") -> None: ...
     def abandon_idle(self, idle_seconds: float, keep: Sequence[str] = ()) -> int:
-        """End as `abandoned` the open sessions created more than idle_seconds ago, except those in `keep`
-        (the caller's own, still live); returns how many."""
+        """End as `abandoned` the open sessions created more than idle_seconds ago and not leased, except those
+        in `keep` (the caller's own, still live), and those whose lease lapsed; returns how many."""
+    def renew_leases(self, session_ids: Sequence[str], seconds: float) -> list[str]:
+        """Lease open sessions to the caller for `seconds` from now (a lapsed lease ends its session as
+        `abandoned` at the next claim or sweep); returns those of the ids no longer open."""
 
     # --- reads ---
     def get_session(self, session_id: str) -> SessionInfo: ...

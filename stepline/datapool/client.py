@@ -99,6 +99,10 @@ class PoolClient:
         self._write()
         return int(self._call("abandon_idle", idle_seconds=idle_seconds, keep=list(keep)))
 
+    def renew_leases(self, session_ids: Sequence[str], seconds: float) -> list[str]:
+        self._write()
+        return [str(s) for s in self._call("renew_leases", session_ids=list(session_ids), seconds=seconds)]
+
     # --- reads ---
     def get_session(self, session_id: str) -> SessionInfo:
         return wire.decode_session(self._call("get_session", session_id=session_id))

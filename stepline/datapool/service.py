@@ -42,7 +42,7 @@ MAX_BODY = 512 * 2**20  # large add_calls batches are fine; the client splits bi
 STATUS = {InvalidRecord: 422, UnknownSession: 404, ReadOnlyPool: 403}
 READ_TIMEOUT = 60.0  # seconds a client may take to send one request (headers, then body)
 
-WRITE = {"create_session", "add_calls", "add_reward", "end_session", "abandon_idle"}
+WRITE = {"create_session", "add_calls", "add_reward", "end_session", "abandon_idle", "renew_leases"}
 CLAIM = {"claim_groups", "mark_consumed", "release_groups"}
 RIGHTS = {"read": frozenset(), "write": frozenset(WRITE), "claim": frozenset(CLAIM),
           "admin": frozenset(WRITE | CLAIM)}  # beyond reading, which every token may
@@ -87,6 +87,7 @@ def _methods(pool: Pool) -> dict[str, Callable[[dict], Any]]:
         "add_reward": lambda a: pool.add_reward(wire.decode_reward(a["reward"])),
         "end_session": lambda a: pool.end_session(a["session_id"], a.get("status", "completed")),
         "abandon_idle": lambda a: pool.abandon_idle(a["idle_seconds"], _strings(a.get("keep", []))),
+        "renew_leases": lambda a: pool.renew_leases(_strings(a["session_ids"]), float(a["seconds"])),
         "get_session": lambda a: pool.get_session(a["session_id"]),
         "list_sessions": lambda a: pool.list_sessions(a.get("status")),
         "get_tree": lambda a: pool.get_tree(a["session_id"]),

@@ -76,7 +76,7 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
     metrics = GatewayMetrics(router, recorder, gate)  # this app's own registry
     edge, ledger = Edge(settings, store), Ledger(recorder, metrics)
     stages = Stages(prompting, Dispatch(router, gate, recorder, settings.retry_after), ledger, edge.offload)
-    service = SessionService(store, recorder, router)
+    service = SessionService(store, recorder, router, settings.session_lease)
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=[error_boundary(metrics.observe_error, _flavour, _api)])
     app[PROFILE_KEY] = prompting.profile

@@ -178,6 +178,9 @@ def http_urls(ctx: click.Context, param: click.Parameter, urls: tuple[str, ...])
               show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Open sessions without a call for this long end as abandoned (and, at start, the pool's open "
               "sessions created longer ago: those a killed gateway left behind).")
+@click.option("--session-lease", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds the gateway leases its open sessions in the pool for (renewed every third of it); "
+              "if it dies, they end as abandoned once the lease lapses, so their groups become claimable.")
 @click.option("--fork-idle-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Open forks without a call for this long end as abandoned (they would hold their group).")
 @click.option("--max-forks-per-session", default=64, show_default=True, type=click.IntRange(min=0),

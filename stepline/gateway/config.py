@@ -26,6 +26,10 @@ class GatewaySettings(BaseModel):
         24 * 3600.0, gt=0,
         description="open sessions with no call running and none started or ended for this long end as `abandoned`",
     )
+    session_lease: float = Field(
+        60.0, gt=0, description="seconds this gateway leases its open sessions in the pool for, renewed every "
+        "third of it; a killed gateway's sessions end as `abandoned` once their lease lapses",
+    )
     fork_idle_timeout: float = Field(
         300.0, gt=0, description="open forks with no call running and none started or ended for this long end as "
         "`abandoned` (an unfinished fork keeps its group from being claimed)",

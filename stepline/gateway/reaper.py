@@ -14,6 +14,13 @@ and an open member keeps its whole group from being claimed. So:
   A session with a call running is never idle: a call held long (a weight update that does not end, a client
   that stops reading its stream) keeps its session, and so its group, open until the call ends.
 
+Sessions are also leased to the gateway that serves them (`session_lease`, 60 s by default): it leases each one
+as it opens and renews the lease on all its open sessions, idle or not, every third of it (`Pool.renew_leases`).
+A gateway killed with -9 stops renewing, and once a lease lapses the pool itself ends that session as `abandoned`
+(`metadata.end_reason` says why) at its next claim or sweep, so a crashed gateway's groups are claimable within
+about a minute even with no gateway left; a live session keeps its lease and follows `session_idle_timeout`.
+A session the pool reports no longer open (its lease lapsed while the pool was out of reach) ends here too.
+
 An abandoned session with a terminal reward still trains with its group; one without is left out.
 """
 
@@ -56,9 +63,23 @@ async def abandon_orphans(service: SessionService, timeout: float) -> None:
         log.warning("abandoning the pool's orphaned sessions: %s", exc)
 
 
+async def renew_leases(service: SessionService) -> None:
+    """Renew the lease on every open session of this gateway every third of the lease, until cancelled."""
+    while True:
+        await asyncio.sleep(service.lease / 3)
+        try:
+            await service.renew_leases()
+        except Exception:  # noqa: BLE001 - the pool is down: the recorder retries; renew again later
+            log.exception("renewing the session leases failed")
+
+
 async def run(service: SessionService, timeouts: Timeouts) -> None:
-    """The pool's orphans at start, then this gateway's idle sessions and the pool's orphans periodically,
-    until cancelled."""
+    """Lease renewal, and the pool's orphans at start, then this gateway's idle sessions and the pool's orphans
+    periodically, until cancelled."""
+    await asyncio.gather(renew_leases(service), _sweep(service, timeouts))
+
+
+async def _sweep(service: SessionService, timeouts: Timeouts) -> None:
     await abandon_orphans(service, timeouts.idle)
     interval = min(timeouts.idle / 4, timeouts.fork_idle / 4, 300.0)
     while True:
