@@ -43,7 +43,7 @@ from stepline.datapool.records import (
 )
 from stepline.datapool.steps import LEAF_RULES, build_episode
 from stepline.datapool.tree import RadixTree, StoredCall, full_prompt, replay
-from stepline.datapool.validation import check_call, check_end_status, check_reward, check_session
+from stepline.datapool.validation import MAX_REWARD, check_call, check_end_status, check_reward, check_session
 
 SCHEMA_VERSION = 3  # 2: sessions.purpose, 3: sessions.lease_until (older pools are migrated when opened writable)
 TERMINAL = -1  # rewards.step of a terminal reward (NULL would defeat the unique key)
@@ -137,6 +137,7 @@ class SqlPool:
         self.conn = conn
         self.read_only = read_only
         self.claims_in_memory = False  # export files opened read-only still allow claims (not persisted)
+        self.max_reward = MAX_REWARD  # |value|, |weight|, |value × weight| of a reward at most (URL option max_reward)
         self._trees: OrderedDict[int, RadixTree] = OrderedDict()  # sid -> tree, LRU
         self._cache_sessions = cache_sessions
 
@@ -324,7 +325,7 @@ class SqlPool:
     def add_reward(self, reward: Reward) -> None:
         """Add (or replace: same session, step and name) a reward; sessions may have ended already."""
         self._writable()
-        check_reward(reward)
+        check_reward(reward, self.max_reward)
         step = TERMINAL if reward.step is None else reward.step
         with self._transaction(write=True) as cur:
             try:
