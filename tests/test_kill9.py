@@ -188,6 +188,44 @@ def test_kill9_gateway_and_pool_service_lose_no_acknowledged_call(tiny_model_dir
     assert missing == set(), f"{len(missing)} of {len(acked)} acknowledged calls lost"
 
 
+@pytest.mark.slow  # about 25 s: two gateway and two pool-service starts
+def test_kill9_a_gateway_started_without_spill_loses_no_acknowledged_call(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A hand-started `stepline gateway` (no --spill) while its pool service is down, killed with -9: before the
+    spill file was on by default it lost 9 of 9 acknowledged calls; its default one (STATE_DIR/gateway-PORT.spill)
+    keeps them, and the same gateway started again writes them."""
+    db, pool_url = tmp_path / "pool.db", f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**ENV, "STEPLINE_STATE_DIR": str(tmp_path / "state")}
+
+    def gateway(engine: str) -> subprocess.Popen:
+        argv = GatewaySpec((engine,), tiny_model_dir, pool_url, port_of(url), "sglang").to_argv()
+        with (tmp_path / "gateway.log").open("ab") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        healthy(url, proc, tmp_path / "gateway.log")
+        return proc
+
+    with fake_engine(tmp_path) as engine:
+        pool = pool_service(db, pool_url, tmp_path)
+        procs = [pool]
+        try:
+            procs.append(gw := gateway(engine))
+            stream = Stream(url)
+            time.sleep(1.0)
+            pool.kill()
+            time.sleep(2.0)
+            gw.kill()
+            stream.stop()
+            assert (tmp_path / "state" / f"gateway-{port_of(url)}.spill").stat().st_size > 0
+            procs.append(pool := pool_service(db, pool_url, tmp_path))
+            procs.append(gateway(engine))
+            missing = wait_recorded(db, stream.acked)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    assert stream.acked and missing == set(), f"{len(missing)} of {len(stream.acked)} acknowledged calls lost"
+
+
 def _up(model: Path, engine: str, state: Path, *extra: str) -> tuple[subprocess.Popen, str, str]:
     """`stepline up --serve-pool` in front of the fake engine: the process, its gateway URL and what it printed."""
     proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", "up", "--model", str(model), "--engine",
@@ -347,7 +385,8 @@ def test_kill9_gateway_its_sessions_free_their_groups_once_their_lease_lapses(
     db = tmp_path / "pool.db"
     url = f"http://127.0.0.1:{free_port()}"
     with fake_engine(tmp_path) as engine:
-        spec = GatewaySpec((engine,), tiny_model_dir, f"sqlite:///{db}", port_of(url), "sglang", session_lease=2.0)
+        spec = GatewaySpec((engine,), tiny_model_dir, f"sqlite:///{db}", port_of(url), "sglang",
+                           spill=tmp_path / "gateway.spill", session_lease=2.0)
         gw = spawn(spec.to_argv(), tmp_path / "gateway.log")
         try:
             healthy(url, gw, tmp_path / "gateway.log")

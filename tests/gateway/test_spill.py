@@ -14,7 +14,7 @@ import pytest
 from stepline.datapool import open_pool
 from stepline.datapool.records import CallRecord, SessionInfo
 from stepline.gateway.recorder import Recorder
-from stepline.gateway.spill import Spill
+from stepline.gateway.spill import Spill, SpillInUse
 
 
 def call(session: str, index: int) -> CallRecord:
@@ -149,3 +149,23 @@ async def test_the_answer_waits_until_its_call_is_durable(tiny_model_dir: Path, 
             gate.set()
             assert (await reply).status_code == 200
         assert len(served.pool.get_tree(session["session_id"]).calls) == 1
+
+
+def test_a_spill_file_has_one_gateway_at_a_time(tmp_path: Path) -> None:
+    # the default spill file is one per port in the state directory: a second gateway on it would interleave its
+    # calls with the first one's and truncate them once its own were written
+    first = Spill(tmp_path / "gateway-8000.spill")
+    with pytest.raises(SpillInUse, match="in use by another gateway"):
+        Spill(tmp_path / "gateway-8000.spill")
+    first.close()
+    Spill(tmp_path / "gateway-8000.spill").close()  # free again once the first is closed
+
+
+def test_the_gateway_command_spills_by_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from stepline.gateway.cli import _spill_path
+
+    monkeypatch.setenv("STEPLINE_STATE_DIR", str(tmp_path / "state"))
+    assert _spill_path(None, None, False, 8001) == str(tmp_path / "state" / "gateway-8001.spill")
+    assert _spill_path(None, tmp_path / "mine", False, 8001) == str(tmp_path / "mine" / "gateway-8001.spill")
+    assert _spill_path("x.spill", None, False, 8001) == "x.spill"
+    assert _spill_path(None, None, True, 8001) is None
