@@ -25,6 +25,7 @@ def open_pool(url: str, read_only: bool = False) -> Pool:
 
     - `sqlite:///relative.db`, `sqlite:////absolute.db` (SQLAlchemy's convention), `?synchronous=normal`
       to trade power-loss durability for speed; `sqlite:///:memory:` for a throwaway pool;
+    - `?create=1` to start a new pool in an empty (0-byte) file, which is otherwise refused as no pool;
     - on either SQL pool, `?max_reward=X`: the bound on a reward's |value|, |weight| and |value × weight|
       (default `validation.MAX_REWARD`, 1e6; beyond it the reward is refused naming the field);
     - `postgresql://user@host:port/db[?schema=NAME]`;
@@ -41,7 +42,7 @@ def open_pool(url: str, read_only: bool = False) -> Pool:
         path = url[len("sqlite:///"):].split("?", 1)[0]
         options = dict(parse_qsl(parts.query))
         pool: SqlPool = SqlitePool(path or ":memory:", read_only=read_only,
-                                   synchronous=options.get("synchronous", "FULL"))
+                                   synchronous=options.get("synchronous", "FULL"), create=options.get("create") == "1")
         pool.max_reward = bound
         return pool
     if url.startswith(("postgresql://", "postgres://")):

@@ -23,11 +23,12 @@ import httpx
 
 from stepline._retry import RetryPolicy, Unavailable, transport_error
 from stepline.datapool import wire
-from stepline.datapool.base import InvalidRecord, PoolError, ReadOnlyPool, UnknownSession
+from stepline.datapool.base import InvalidRecord, PoolCorrupt, PoolError, PoolFull, ReadOnlyPool, UnknownSession
 from stepline.datapool.records import CallRecord, EpisodeData, Group, LeafRule, Reward, SessionInfo, SessionTree
 
 ERRORS: dict[str, type[PoolError]] = {
     "InvalidRecord": InvalidRecord, "UnknownSession": UnknownSession, "ReadOnlyPool": ReadOnlyPool,
+    "PoolCorrupt": PoolCorrupt, "PoolFull": PoolFull,
 }
 NOT_RESENT = {"claim_groups", "release_groups"}  # a lost answer must not be replayed
 

@@ -93,7 +93,7 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
         app.router.add_post(f"{prefix}/messages/count_tokens", model(partial(messages.count_tokens, edge, template)))
     limits = ForkLimits(settings.max_forks_per_session, settings.max_forks_per_group, settings.retry_after)
     app.router.add_routes(SessionRoutes(edge, service, template, settings.public_url, limits).routes())
-    app.router.add_get("/health", model(partial(health, router, gate, store)))
+    app.router.add_get("/health", model(partial(health, router, gate, store, recorder)))
     app.router.add_routes(admin_routes(gate, settings.admin_token))
     app.router.add_routes(metrics.routes())  # this app's registry only
     return app
@@ -127,10 +127,14 @@ async def list_models(edge: Edge, prompting: Prompting, request: web.Request) ->
     return web.Response(body=orjson.dumps({"object": "list", "data": [model]}), content_type="application/json")
 
 
-async def health(router: EngineRouter, gate: WeightGate, store: SessionStore, request: web.Request) -> web.Response:
-    """200 `ok` while some engine is healthy; 503 `degraded` when none is (calls would all fail)."""
+async def health(router: EngineRouter, gate: WeightGate, store: SessionStore, recorder: Recorder,
+                 request: web.Request) -> web.Response:
+    """200 `ok` while some engine is healthy and the pool takes writes; `degraded` (and `pool` says why) while the
+    pool fails (full, damaged, out of reach: calls are spilled); 503 when no engine is healthy or the recorder
+    stopped (calls would all fail)."""
     engines = [{"url": url, "healthy": ok} for url, ok in router.healthy.items()]
-    up = any(e["healthy"] for e in engines)
-    body = {"status": "ok" if up else "degraded", "weight_version": gate.version, "engines": engines,
-            "sessions": len(store)}
+    up = any(e["healthy"] for e in engines) and recorder.failure is None
+    pool = recorder.pool_problem
+    body = {"status": "ok" if up and pool is None else "degraded", "weight_version": gate.version,
+            "engines": engines, "sessions": len(store), "pool": pool or "ok"}
     return web.Response(body=orjson.dumps(body), status=200 if up else 503, content_type="application/json")

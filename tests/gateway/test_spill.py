@@ -169,3 +169,35 @@ def test_the_gateway_command_spills_by_default(monkeypatch: pytest.MonkeyPatch, 
     assert _spill_path(None, tmp_path / "mine", False, 8001) == str(tmp_path / "mine" / "gateway-8001.spill")
     assert _spill_path("x.spill", None, False, 8001) == "x.spill"
     assert _spill_path(None, None, True, 8001) is None
+
+
+async def test_a_full_pool_disk_fails_creates_fast_says_degraded_and_spills_the_calls(
+        qwen3_model_dir: Path, tmp_path: Path) -> None:
+    # before, session creates blocked past 30 s while /health said ok; SQLite's max_page_count stands in for the disk
+    import httpx
+    from gateway_helpers import fake_engine, serve, tokenizer
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x " * 3000}], "max_tokens": 4}
+    async with fake_engine(tokenizer(qwen3_model_dir), []) as url, \
+            serve(qwen3_model_dir, [url], tmp_path, spill_path=str(tmp_path / "gw.spill")) as served:
+        s = await served.session()
+        async with httpx.AsyncClient(base_url=served.url, timeout=20) as c:
+            with served.pool._lock:
+                pages = served.pool.conn.execute("PRAGMA page_count").fetchone()[0]
+                served.pool.conn.execute(f"PRAGMA max_page_count = {pages}")
+            key = {"Authorization": f"Bearer {s['api_key']}"}
+            for _ in range(8):  # acknowledged: each is in the pool or the spill file
+                assert (await c.post(f"{s['openai_base_url']}/chat/completions", json=chat,
+                                     headers=key)).status_code == 200
+            health = (await c.get("/health")).json()
+            assert health["status"] == "degraded" and "PoolFull" in health["pool"]
+            created = await c.post("/sessions", json={"task_id": "t", "harness": "h"},
+                                   headers={"Authorization": "Bearer adm"})
+            assert created.status_code == 503 and created.json()["error"]["code"] == "pool_full"
+            assert "disk is full" in created.json()["error"]["message"]
+            assert (tmp_path / "gw.spill").stat().st_size > 0
+            with served.pool._lock:
+                served.pool.conn.execute("PRAGMA max_page_count = 1000000")  # space freed
+            await served.flush()
+            assert len(served.calls(s["session_id"])) == 8
+            assert (await c.get("/health")).json()["status"] == "ok"

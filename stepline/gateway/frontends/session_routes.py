@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from stepline.datapool.base import PoolError, UnknownSession
+from stepline.datapool.base import PoolCorrupt, PoolError, PoolFull, UnknownSession
 from stepline.datapool.records import FORK_KEY, Purpose, Reward
 from stepline.gateway.forks import ForkLimits, Replay
 from stepline.gateway.frontends.edge import Edge
@@ -80,6 +80,10 @@ def _parse(model: type[_Body], data: Any) -> Any:
 
 
 def _pool_error(exc: PoolError) -> ApiError:
+    if isinstance(exc, PoolFull):  # nothing written; worth a retry once space is freed
+        return ApiError(503, f"pool: {exc}", code="pool_full", retry_after=30.0)
+    if isinstance(exc, PoolCorrupt):  # permanent: a retry gets the same answer
+        return ApiError(500, f"pool: {exc}", code="pool_corrupt")
     return ApiError(404 if isinstance(exc, UnknownSession) else 400, f"pool: {exc}")
 
 
