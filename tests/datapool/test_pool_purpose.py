@@ -12,8 +12,8 @@ from pool_helpers import ServiceThread
 
 from stepline.datapool import open_pool
 from stepline.datapool.base import InvalidRecord, PoolError
-from stepline.datapool.sql import SCHEMA_VERSION
 from stepline.datapool.records import PURPOSES, SessionInfo, legacy_purpose
+from stepline.datapool.sql import SCHEMA_VERSION
 from stepline.datapool.wire import decode_session
 
 
