@@ -10,6 +10,14 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """Gateways started without --spill keep their default spill file here, not in the user's home."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STEPLINE_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` model: own byte-level BPE tokenizer, ChatML template with tool calls, random weights."""

@@ -33,6 +33,7 @@ import pytest
 import zstandard
 
 from stepline.datapool import open_pool
+from stepline.datapool.records import END_REASON_KEY
 from stepline.launch.services import GatewaySpec, PoolSpec, free_port, port_of
 from stepline.trainer.checkpoint import latest_checkpoint
 
@@ -187,6 +188,44 @@ def test_kill9_gateway_and_pool_service_lose_no_acknowledged_call(tiny_model_dir
     assert missing == set(), f"{len(missing)} of {len(acked)} acknowledged calls lost"
 
 
+@pytest.mark.slow  # about 25 s: two gateway and two pool-service starts
+def test_kill9_a_gateway_started_without_spill_loses_no_acknowledged_call(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A hand-started `stepline gateway` (no --spill) while its pool service is down, killed with -9: before the
+    spill file was on by default it lost 9 of 9 acknowledged calls; its default one (STATE_DIR/gateway-PORT.spill)
+    keeps them, and the same gateway started again writes them."""
+    db, pool_url = tmp_path / "pool.db", f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**ENV, "STEPLINE_STATE_DIR": str(tmp_path / "state")}
+
+    def gateway(engine: str) -> subprocess.Popen:
+        argv = GatewaySpec((engine,), tiny_model_dir, pool_url, port_of(url), "sglang").to_argv()
+        with (tmp_path / "gateway.log").open("ab") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        healthy(url, proc, tmp_path / "gateway.log")
+        return proc
+
+    with fake_engine(tmp_path) as engine:
+        pool = pool_service(db, pool_url, tmp_path)
+        procs = [pool]
+        try:
+            procs.append(gw := gateway(engine))
+            stream = Stream(url)
+            time.sleep(1.0)
+            pool.kill()
+            time.sleep(2.0)
+            gw.kill()
+            stream.stop()
+            assert (tmp_path / "state" / f"gateway-{port_of(url)}.spill").stat().st_size > 0
+            procs.append(pool := pool_service(db, pool_url, tmp_path))
+            procs.append(gateway(engine))
+            missing = wait_recorded(db, stream.acked)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    assert stream.acked and missing == set(), f"{len(missing)} of {len(stream.acked)} acknowledged calls lost"
+
+
 def _up(model: Path, engine: str, state: Path, *extra: str) -> tuple[subprocess.Popen, str, str]:
     """`stepline up --serve-pool` in front of the fake engine: the process, its gateway URL and what it printed."""
     proc = subprocess.Popen([sys.executable, "-m", "stepline.cli", "up", "--model", str(model), "--engine",
@@ -335,6 +374,47 @@ def test_kill9_gateway_mid_job_orphans_are_abandoned_and_every_group_trains_once
     assert missing == set(), f"{len(missing)} of {len(stream.acked)} acknowledged calls lost"
     print(f"\ngateway kill -9 mid-job: {len(stream.acked)} acknowledged calls of the orphans, all found;"
           f" 4 groups completed, 4 trained once ({len(trained)} sessions)")
+
+
+@pytest.mark.slow  # about 15 s: one gateway start
+def test_kill9_gateway_its_sessions_free_their_groups_once_their_lease_lapses(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A gateway killed with -9 leaves sessions open, and no gateway is left to sweep them: without leases their
+    groups stayed unclaimable for session_idle_timeout (24 h). Leased for 2 s, the pool ends them as abandoned
+    (with the reason) at the first claim after the lease lapses."""
+    db = tmp_path / "pool.db"
+    url = f"http://127.0.0.1:{free_port()}"
+    with fake_engine(tmp_path) as engine:
+        spec = GatewaySpec((engine,), tiny_model_dir, f"sqlite:///{db}", port_of(url), "sglang",
+                           spill=tmp_path / "gateway.spill", session_lease=2.0)
+        gw = spawn(spec.to_argv(), tmp_path / "gateway.log")
+        try:
+            healthy(url, gw, tmp_path / "gateway.log")
+            s = {f"{task}{m}": open_session(url, task) for task in ("t0", "t1") for m in "ab"}
+            for name in ("t0a", "t1a"):
+                _play(s[name], reward=1.0, end=True)
+            _play(s["t0b"], reward=0.0, end=False)  # rewarded, never ended: abandoned, still trains
+            _play(s["t1b"], reward=None, end=False)  # mid-episode: abandoned, left out
+            time.sleep(3.0)  # past the lease: a live gateway renews (every third of it), so nothing lapses
+            assert set(_statuses(db).values()) == {"open", "completed"}
+            gw.kill()
+            gw.wait()
+        finally:
+            gw.kill()
+            gw.wait()
+    killed = time.monotonic()
+    pool = open_pool(f"sqlite:///{db}")
+    try:
+        groups = []
+        while len(groups) < 2 and time.monotonic() - killed < 2.0 + 10.0:  # the lease, and a loaded machine's slack
+            groups += pool.claim_groups("trainer", 0, 10)
+            time.sleep(0.2)
+        members = sorted(e.info.session_id for g in groups for e in g.episodes)
+        assert members == sorted(s[n]["session_id"] for n in ("t0a", "t0b", "t1a"))
+        orphan = pool.get_session(s["t1b"]["session_id"])
+        assert orphan.status == "abandoned" and "lease" in orphan.metadata[END_REASON_KEY]
+    finally:
+        pool.close()
 
 
 def _trainer_job(tmp_path: Path, model: Path, pool_url: str, updates: int) -> subprocess.Popen:

@@ -6,10 +6,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from stepline.datapool.base import InvalidRecord, Pool, PoolError, ReadOnlyPool, UnknownSession
 
@@ -24,6 +25,9 @@ def open_pool(url: str, read_only: bool = False) -> Pool:
 
     - `sqlite:///relative.db`, `sqlite:////absolute.db` (SQLAlchemy's convention), `?synchronous=normal`
       to trade power-loss durability for speed; `sqlite:///:memory:` for a throwaway pool;
+    - `?create=1` to start a new pool in an empty (0-byte) file, which is otherwise refused as no pool;
+    - on either SQL pool, `?max_reward=X`: the bound on a reward's |value|, |weight| and |value × weight|
+      (default `validation.MAX_REWARD`, 1e6; beyond it the reward is refused naming the field);
     - `postgresql://user@host:port/db[?schema=NAME]`;
     - `http://host:port`: the pool service (`stepline pool serve`);
     - a path to a SQLite pool database (opened as `sqlite:///` of it);
@@ -33,14 +37,21 @@ def open_pool(url: str, read_only: bool = False) -> Pool:
     if url.startswith("sqlite://"):
         from stepline.datapool.sqlite import SqlitePool
 
+        url, bound = _max_reward(url)
         parts = urlsplit(url)
         path = url[len("sqlite:///"):].split("?", 1)[0]
         options = dict(parse_qsl(parts.query))
-        return SqlitePool(path or ":memory:", read_only=read_only, synchronous=options.get("synchronous", "FULL"))
+        pool: SqlPool = SqlitePool(path or ":memory:", read_only=read_only,
+                                   synchronous=options.get("synchronous", "FULL"), create=options.get("create") == "1")
+        pool.max_reward = bound
+        return pool
     if url.startswith(("postgresql://", "postgres://")):
         from stepline.datapool.postgres import PostgresPool
 
-        return PostgresPool(url, read_only=read_only)
+        url, bound = _max_reward(url)
+        pool = PostgresPool(url, read_only=read_only)
+        pool.max_reward = bound
+        return pool
     if url.startswith(("http://", "https://")):
         from stepline.datapool.client import PoolClient
 
@@ -54,6 +65,26 @@ def open_pool(url: str, read_only: bool = False) -> Pool:
 
         return load_export(url)
     raise PoolError(f"cannot open pool {url!r}: expected sqlite:///…, postgresql://…, http://… or an export file")
+
+
+def _max_reward(url: str) -> tuple[str, float]:
+    """The URL without its `max_reward` option, and the bound (`MAX_REWARD` when absent): the largest |value|,
+    |weight| and |value × weight| of a reward the pool accepts."""
+    from stepline.datapool.validation import MAX_REWARD
+
+    base, _, rest = url.partition("?")  # not urlunsplit: it drops a slash of sqlite:////absolute.db
+    query = parse_qsl(rest)
+    given = [v for k, v in query if k == "max_reward"]
+    if not given:
+        return url, MAX_REWARD
+    try:
+        bound = float(given[-1])
+    except ValueError:
+        bound = math.nan
+    if not (math.isfinite(bound) and bound > 0):
+        raise PoolError(f"max_reward must be a finite number > 0, got {given[-1]!r}")
+    kept = urlencode([(k, v) for k, v in query if k != "max_reward"])
+    return f"{base}?{kept}" if kept else base, bound
 
 
 def replay_pool(pool_file: Path, work_dir: Path) -> SqlPool:

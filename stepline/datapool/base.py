@@ -9,10 +9,13 @@ Exceptions (all subclasses of `PoolError`):
     PoolError
     ├── InvalidRecord      a record contradicts itself or refers to something unknown (nothing written)
     ├── UnknownSession     no such session
-    └── ReadOnlyPool       a write to a pool opened read-only
+    ├── ReadOnlyPool       a write to a pool opened read-only
+    ├── PoolCorrupt        the database is damaged (garbage pages, not a database): permanent, never retried
+    └── PoolFull           the database's disk is full: nothing written; retried by writers that must keep
+                           their records (`is_unavailable`), answered at once to the others
 
 Not errors of the records but of the moment (`is_unavailable`): the pool service unreachable
-(`client.PoolUnavailable`, a ConnectionError), the database locked, out of disk, its connection lost.
+(`client.PoolUnavailable`, a ConnectionError), the database locked, out of disk (`PoolFull`), its connection lost.
 """
 
 from __future__ import annotations
@@ -41,11 +44,19 @@ class ReadOnlyPool(PoolError):
     """A write was attempted on a pool opened read-only."""
 
 
+class PoolCorrupt(PoolError):
+    """The database is damaged: every operation on it fails the same way until it is restored or repaired."""
+
+
+class PoolFull(PoolError):
+    """The database's disk (or its size limit) is full: nothing was written."""
+
+
 def is_unavailable(exc: BaseException) -> bool:
     """True when a pool failed for now and the same write may succeed later: unreachable, the database
     locked, out of disk or its connection lost. Anything else a pool raises is a refusal (`PoolError`)
     or a bug, and retrying it would only hide it."""
-    if isinstance(exc, ConnectionError | TimeoutError | sqlite3.OperationalError):
+    if isinstance(exc, PoolFull | ConnectionError | TimeoutError | sqlite3.OperationalError):
         return True
     psycopg = sys.modules.get("psycopg")  # imported by the PostgreSQL pool, only where one is used
     return psycopg is not None and isinstance(exc, psycopg.OperationalError)
@@ -59,8 +70,11 @@ class Pool(Protocol):
     def add_reward(self, reward: Reward) -> None: ...
     def end_session(self, session_id: str, status: str = "completed") -> None: ...
     def abandon_idle(self, idle_seconds: float, keep: Sequence[str] = ()) -> int:
-        """End as `abandoned` the open sessions created more than idle_seconds ago, except those in `keep`
-        (the caller's own, still live); returns how many."""
+        """End as `abandoned` the open sessions created more than idle_seconds ago and not leased, except those
+        in `keep` (the caller's own, still live), and those whose lease lapsed; returns how many."""
+    def renew_leases(self, session_ids: Sequence[str], seconds: float) -> list[str]:
+        """Lease open sessions to the caller for `seconds` from now (a lapsed lease ends its session as
+        `abandoned` at the next claim or sweep); returns those of the ids no longer open."""
 
     # --- reads ---
     def get_session(self, session_id: str) -> SessionInfo: ...

@@ -23,11 +23,12 @@ import httpx
 
 from stepline._retry import RetryPolicy, Unavailable, transport_error
 from stepline.datapool import wire
-from stepline.datapool.base import InvalidRecord, PoolError, ReadOnlyPool, UnknownSession
+from stepline.datapool.base import InvalidRecord, PoolCorrupt, PoolError, PoolFull, ReadOnlyPool, UnknownSession
 from stepline.datapool.records import CallRecord, EpisodeData, Group, LeafRule, Reward, SessionInfo, SessionTree
 
 ERRORS: dict[str, type[PoolError]] = {
     "InvalidRecord": InvalidRecord, "UnknownSession": UnknownSession, "ReadOnlyPool": ReadOnlyPool,
+    "PoolCorrupt": PoolCorrupt, "PoolFull": PoolFull,
 }
 NOT_RESENT = {"claim_groups", "release_groups"}  # a lost answer must not be replayed
 
@@ -98,6 +99,10 @@ class PoolClient:
     def abandon_idle(self, idle_seconds: float, keep: Sequence[str] = ()) -> int:
         self._write()
         return int(self._call("abandon_idle", idle_seconds=idle_seconds, keep=list(keep)))
+
+    def renew_leases(self, session_ids: Sequence[str], seconds: float) -> list[str]:
+        self._write()
+        return [str(s) for s in self._call("renew_leases", session_ids=list(session_ids), seconds=seconds)]
 
     # --- reads ---
     def get_session(self, session_id: str) -> SessionInfo:

@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import psycopg
 from psycopg import sql
 
-from stepline.datapool.base import PoolError
+from stepline.datapool.base import PoolCorrupt, PoolError, PoolFull
 from stepline.datapool.sql import CLAIM_LOCK, POSTGRES, SqlPool
 
 
@@ -47,10 +47,15 @@ class PostgresPool(SqlPool):
 
     @contextmanager
     def _transaction(self, write: bool) -> Iterator[Any]:
-        with self._lock, self.conn.transaction(), self.conn.cursor() as cur:
-            if not write:  # several statements, one snapshot
-                cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            yield cur
+        try:
+            with self._lock, self.conn.transaction(), self.conn.cursor() as cur:
+                if not write:  # several statements, one snapshot
+                    cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                yield cur
+        except psycopg.errors.DiskFull as exc:  # SQLSTATE 53100
+            raise PoolFull(f"the PostgreSQL pool cannot grow: {exc} (free disk space)") from exc
+        except (psycopg.errors.DataCorrupted, psycopg.errors.IndexCorrupted) as exc:  # XX001, XX002
+            raise PoolCorrupt(f"the PostgreSQL pool is damaged: {exc}") from exc
 
     def _lock_claims(self, cur: Any) -> None:
         cur.execute("SELECT pg_advisory_xact_lock(%s)", (CLAIM_LOCK,))

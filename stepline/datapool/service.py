@@ -34,15 +34,15 @@ from typing import Any
 from aiohttp import web
 
 from stepline.datapool import wire
-from stepline.datapool.base import InvalidRecord, Pool, PoolError, ReadOnlyPool, UnknownSession
+from stepline.datapool.base import InvalidRecord, Pool, PoolCorrupt, PoolError, PoolFull, ReadOnlyPool, UnknownSession
 
 log = logging.getLogger(__name__)
 MAX_BODY = 512 * 2**20  # large add_calls batches are fine; the client splits bigger ones
 
-STATUS = {InvalidRecord: 422, UnknownSession: 404, ReadOnlyPool: 403}
+STATUS = {InvalidRecord: 422, UnknownSession: 404, ReadOnlyPool: 403, PoolCorrupt: 500, PoolFull: 507}
 READ_TIMEOUT = 60.0  # seconds a client may take to send one request (headers, then body)
 
-WRITE = {"create_session", "add_calls", "add_reward", "end_session", "abandon_idle"}
+WRITE = {"create_session", "add_calls", "add_reward", "end_session", "abandon_idle", "renew_leases"}
 CLAIM = {"claim_groups", "mark_consumed", "release_groups"}
 RIGHTS = {"read": frozenset(), "write": frozenset(WRITE), "claim": frozenset(CLAIM),
           "admin": frozenset(WRITE | CLAIM)}  # beyond reading, which every token may
@@ -87,6 +87,7 @@ def _methods(pool: Pool) -> dict[str, Callable[[dict], Any]]:
         "add_reward": lambda a: pool.add_reward(wire.decode_reward(a["reward"])),
         "end_session": lambda a: pool.end_session(a["session_id"], a.get("status", "completed")),
         "abandon_idle": lambda a: pool.abandon_idle(a["idle_seconds"], _strings(a.get("keep", []))),
+        "renew_leases": lambda a: pool.renew_leases(_strings(a["session_ids"]), float(a["seconds"])),
         "get_session": lambda a: pool.get_session(a["session_id"]),
         "list_sessions": lambda a: pool.list_sessions(a.get("status")),
         "get_tree": lambda a: pool.get_tree(a["session_id"]),
@@ -137,6 +138,7 @@ def make_app(pool: Pool, tokens: Tokens | None = None) -> web.Application:
     methods = _methods(pool)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool")
     transient = _database_errors()
+    problem: dict[str, str | None] = {"pool": None}  # the last operation's damage or full disk, None once one succeeds
 
     async def rpc(request: web.Request) -> web.Response:
         method = methods.get(request.match_info["method"])
@@ -158,16 +160,23 @@ def make_app(pool: Pool, tokens: Tokens | None = None) -> web.Application:
         try:
             result = await asyncio.get_running_loop().run_in_executor(executor, method, args)
         except PoolError as exc:
+            if isinstance(exc, PoolCorrupt | PoolFull):
+                problem["pool"] = f"{type(exc).__name__}: {exc}"
             return _error(STATUS.get(type(exc), 500), type(exc).__name__, str(exc))
         except _CLIENT_ERRORS as exc:
             return _error(400, "InvalidRecord", f"bad arguments for {request.match_info['method']}: {exc!r}")
         except transient as exc:
             log.warning("database error in %s: %s", request.match_info["method"], exc)
             return _error(503, "Unavailable", f"database error: {exc}")
+        problem["pool"] = None
         return web.Response(body=wire.packb({"result": result}), content_type="application/msgpack")
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
+        """`ok` until an operation finds the database damaged or full (`degraded`, 503, `pool` says which),
+        and again once one succeeds."""
+        if problem["pool"] is None:
+            return web.json_response({"ok": True})
+        return web.json_response({"ok": False, "status": "degraded", "pool": problem["pool"]}, status=503)
 
     async def close(app: web.Application) -> None:
         await asyncio.get_running_loop().run_in_executor(executor, pool.close)

@@ -30,6 +30,7 @@ import numpy as np
 
 from stepline.datapool.base import InvalidRecord, PoolError, ReadOnlyPool, UnknownSession
 from stepline.datapool.records import (
+    END_REASON_KEY,
     NO_VERSION,
     CallRecord,
     EpisodeData,
@@ -42,9 +43,9 @@ from stepline.datapool.records import (
 )
 from stepline.datapool.steps import LEAF_RULES, build_episode
 from stepline.datapool.tree import RadixTree, StoredCall, full_prompt, replay
-from stepline.datapool.validation import check_call, check_end_status, check_reward, check_session
+from stepline.datapool.validation import MAX_REWARD, check_call, check_end_status, check_reward, check_session
 
-SCHEMA_VERSION = 2  # 2: sessions.purpose (schema 1 pools are migrated when opened writable)
+SCHEMA_VERSION = 3  # 2: sessions.purpose, 3: sessions.lease_until (older pools are migrated when opened writable)
 TERMINAL = -1  # rewards.step of a terminal reward (NULL would defeat the unique key)
 CLAIM_LOCK = 7_301_001  # PostgreSQL advisory lock id serialising claims
 
@@ -58,7 +59,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     min_version INTEGER,                 -- oldest weight version among its calls (NULL: no calls)
     has_terminal INTEGER NOT NULL DEFAULT 0,
     claim TEXT,                          -- groups.group_id once handed out (or marked stale)
-    purpose TEXT NOT NULL DEFAULT 'train'  -- SessionInfo.purpose: train | eval | demo
+    purpose TEXT NOT NULL DEFAULT 'train',  -- SessionInfo.purpose: train | eval | demo
+    lease_until {real}                   -- unix time its gateway's lease lapses (NULL: not leased)
 );
 CREATE INDEX IF NOT EXISTS sessions_unclaimed ON sessions (claim, group_key);
 CREATE TABLE IF NOT EXISTS calls (
@@ -135,6 +137,7 @@ class SqlPool:
         self.conn = conn
         self.read_only = read_only
         self.claims_in_memory = False  # export files opened read-only still allow claims (not persisted)
+        self.max_reward = MAX_REWARD  # |value|, |weight|, |value × weight| of a reward at most (URL option max_reward)
         self._trees: OrderedDict[int, RadixTree] = OrderedDict()  # sid -> tree, LRU
         self._cache_sessions = cache_sessions
 
@@ -158,7 +161,7 @@ class SqlPool:
             row = self._x(cur, "SELECT value FROM meta WHERE key = 'schema'").fetchone()
         if row is not None and int(row[0]) == 1:
             raise PoolError("pool schema version 1 (sessions without a purpose): open it writable once to migrate it")
-        if row is not None and int(row[0]) != SCHEMA_VERSION:
+        if row is not None and int(row[0]) not in (2, SCHEMA_VERSION):  # 2 reads as 3 (leases are written only)
             raise PoolError(f"pool schema version {row[0]} is not supported (this build reads {SCHEMA_VERSION})")
 
     def _create_schema(self) -> None:
@@ -175,8 +178,10 @@ class SqlPool:
             row = self._x(cur, "SELECT value FROM meta WHERE key = 'schema'").fetchone()
             if row is None:
                 self._x(cur, "INSERT INTO meta (key, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) == 1:
-                self._migrate_purpose(cur)
+            elif int(row[0]) in (1, 2):
+                if int(row[0]) == 1:
+                    self._migrate_purpose(cur)
+                self._migrate_leases(cur)
             elif int(row[0]) != SCHEMA_VERSION:
                 raise PoolError(f"pool schema version {row[0]} is not supported (this build reads {SCHEMA_VERSION})")
 
@@ -189,6 +194,11 @@ class SqlPool:
             purpose = legacy_purpose(msgpack.unpackb(bytes(metadata)))
             if purpose != "train":
                 self._x(cur, "UPDATE sessions SET purpose = ? WHERE sid = ?", (purpose, sid))
+
+    def _migrate_leases(self, cur: Any) -> None:
+        """Schema 2 → 3: add sessions.lease_until (existing sessions are not leased)."""
+        self._lock_claims(cur)
+        cur.execute(f"ALTER TABLE sessions ADD COLUMN lease_until {self.dialect.real}")
         self._x(cur, "UPDATE meta SET value = ? WHERE key = 'schema'", (str(SCHEMA_VERSION),))
 
     def _writable(self, claims: bool = False) -> None:
@@ -315,7 +325,7 @@ class SqlPool:
     def add_reward(self, reward: Reward) -> None:
         """Add (or replace: same session, step and name) a reward; sessions may have ended already."""
         self._writable()
-        check_reward(reward)
+        check_reward(reward, self.max_reward)
         step = TERMINAL if reward.step is None else reward.step
         with self._transaction(write=True) as cur:
             try:
@@ -344,17 +354,51 @@ class SqlPool:
 
     def abandon_idle(self, idle_seconds: float, keep: Sequence[str] = ()) -> int:
         """End as `abandoned` every open session created more than idle_seconds ago but those in `keep` (the
-        gateway's reaper; a gateway that was killed left them open, unreachable). Returns how many."""
+        gateway's reaper; a gateway that was killed left them open, unreachable), and every open session whose
+        lease lapsed. Returns how many."""
         self._writable()
         spared = set(keep)
         with self._transaction(write=True) as cur:
             now = time.time()
-            rows = self._x(cur, "SELECT sid, session_id FROM sessions WHERE status = 'open' AND created_at < ?"
-                           + self.dialect.lock_rows, (now - idle_seconds,)).fetchall()
-            orphans = [(now, int(sid)) for sid, session_id in rows if session_id not in spared]
-            cur.executemany(self.dialect.sql("UPDATE sessions SET status = 'abandoned', ended_at = ? WHERE sid = ?"),
-                            orphans)
-        return len(orphans)
+            lapsed = self._abandon_lapsed(cur, now)
+            rows = self._x(cur, "SELECT sid, session_id, metadata FROM sessions WHERE status = 'open'"
+                           " AND created_at < ? AND lease_until IS NULL" + self.dialect.lock_rows,
+                           (now - idle_seconds,)).fetchall()
+            orphans = [row for row in rows if row[1] not in spared]
+            self._abandon(cur, orphans, now, f"open for more than {idle_seconds:g} s and no gateway serves it")
+        return lapsed + len(orphans)
+
+    def renew_leases(self, session_ids: Sequence[str], seconds: float) -> list[str]:
+        """Lease these open sessions to the caller (a gateway) for `seconds` from now: once a lease lapses
+        unrenewed, the session ends as `abandoned` (`end_reason` in its metadata) at the next claim or sweep,
+        so a killed gateway's sessions free their groups. Returns those of the ids that are no longer open."""
+        self._writable()
+        if not session_ids:
+            return []
+        with self._transaction(write=True) as cur:
+            now = time.time()
+            self._abandon_lapsed(cur, now)
+            wanted = sorted(set(session_ids))  # fixed lock order: no deadlocks
+            cur.executemany(self.dialect.sql("UPDATE sessions SET lease_until = ? WHERE session_id = ?"
+                                             " AND status = 'open'"), [(now + seconds, sid) for sid in wanted])
+            marks = ", ".join("?" * len(wanted))
+            open_ = {r[0] for r in self._x(cur, f"SELECT session_id FROM sessions WHERE status = 'open' AND"
+                                           f" session_id IN ({marks})", wanted).fetchall()}
+        return [sid for sid in wanted if sid not in open_]
+
+    def _abandon_lapsed(self, cur: Any, now: float) -> int:
+        """End as abandoned the open sessions whose lease lapsed (their gateway stopped renewing: it died)."""
+        rows = self._x(cur, "SELECT sid, session_id, metadata FROM sessions WHERE status = 'open' AND lease_until < ?"
+                       + self.dialect.lock_rows, (now,)).fetchall()
+        self._abandon(cur, rows, now, "its gateway's lease lapsed (the gateway stopped renewing it)")
+        return len(rows)
+
+    def _abandon(self, cur: Any, rows: Sequence[Sequence[Any]], now: float, reason: str) -> None:
+        """End (sid, session_id, metadata) rows as abandoned, the reason in their metadata."""
+        updates = [(now, msgpack.packb({**msgpack.unpackb(bytes(meta)), END_REASON_KEY: reason}), int(sid))
+                   for sid, _, meta in rows]
+        cur.executemany(self.dialect.sql("UPDATE sessions SET status = 'abandoned', ended_at = ?, metadata = ?"
+                                         " WHERE sid = ?"), updates)
 
     # --- reads ---
 
@@ -448,6 +492,8 @@ class SqlPool:
         claimed: list[tuple[str, str, list[str], int | None]] = []
         with self._transaction(write=True) as cur:
             self._lock_claims(cur)
+            if not self.read_only:  # a killed gateway's sessions free their groups with no gateway left to sweep
+                self._abandon_lapsed(cur, time.time())
             candidates = self._x(cur, _READY_KEYS, (group_size or 1,)).fetchall()
             for key, oldest in candidates:
                 if len(claimed) >= max_groups:

@@ -15,7 +15,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
-from stepline.datapool.base import PoolError
+from stepline.datapool.base import PoolCorrupt, PoolError, PoolFull
 from stepline.datapool.sql import SQLITE, SqlPool
 
 SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
@@ -40,9 +40,11 @@ def copy_database(src: str | os.PathLike[str], dst: Path) -> None:
 class SqlitePool(SqlPool):
     dialect = SQLITE
 
-    def __init__(self, path: str, read_only: bool = False, synchronous: str = "FULL") -> None:
+    def __init__(self, path: str, read_only: bool = False, synchronous: str = "FULL", create: bool = False) -> None:
         if synchronous.upper() not in SYNCHRONOUS:
             raise PoolError(f"synchronous must be one of {SYNCHRONOUS}, got {synchronous!r}")
+        check_pool_file(path, create)
+        self.path = path
         try:
             if read_only and path != ":memory:":
                 conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None,
@@ -63,12 +65,44 @@ class SqlitePool(SqlPool):
 
     @contextmanager
     def _transaction(self, write: bool) -> Iterator[Any]:
-        with self._lock:
+        with self._lock, _damage_named(self.path):
             cur = self.conn.cursor()
             cur.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             try:
                 yield cur
             except BaseException:
-                cur.execute("ROLLBACK")
+                if self.conn.in_transaction:  # SQLite may have rolled back itself (a full disk)
+                    cur.execute("ROLLBACK")
                 raise
             cur.execute("COMMIT")
+
+
+@contextmanager
+def _damage_named(path: str) -> Iterator[None]:
+    """SQLite's errors of a damaged or full database, as the pool's (`PoolCorrupt`, `PoolFull`): the first is
+    permanent, and neither is a "database is locked" to wait out."""
+    try:
+        yield
+    except sqlite3.DatabaseError as exc:
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is not None and code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+            raise PoolCorrupt(f"the SQLite pool {path} is damaged ({exc}): restore it from a copy, or recover it "
+                              "with `sqlite3 FILE .recover`") from exc
+        if code is not None and code & 0xFF == sqlite3.SQLITE_FULL:
+            raise PoolFull(f"the SQLite pool {path} cannot grow: {exc} (free disk space)") from exc
+        raise
+
+
+def check_pool_file(path: str, create: bool) -> None:
+    """Refuse a file that is not a pool before SQLite opens it: an empty one (SQLite would silently start a new
+    pool in it; `create` allows that) or one that is not an SQLite database."""
+    if path == ":memory:" or not os.path.exists(path):
+        return
+    if os.path.getsize(path) == 0:
+        if create:
+            return
+        raise PoolError(f"the pool file {path} is empty (0 bytes), not a pool: if a new pool is meant, open "
+                        f"sqlite:///{path}?create=1 (or delete the file)")
+    if not is_sqlite_file(path):
+        raise PoolCorrupt(f"the pool file {path} is not an SQLite database: name the right file, or move this one "
+                          "away to start a new pool")

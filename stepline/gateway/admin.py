@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from stepline.gateway.engines import EngineError
+from stepline.gateway.engines import EngineError, EngineRejected
 from stepline.gateway.fleet import UpdateRefused, WeightGate
 from stepline.gateway.frontends.errors import ApiError, from_validation
 from stepline.gateway.sessions import admin_allowed, bearer_key
@@ -41,6 +41,9 @@ def admin_routes(gate: WeightGate, admin_token: str | None) -> list[web.RouteDef
             version = await gate.update_weights(body.path, body.version)
         except UpdateRefused as exc:
             raise ApiError(409, str(exc), code="update_refused") from None
+        except EngineRejected as exc:  # the engines refused this path: no such folder, or not this model's
+            raise ApiError(400, f"path {body.path!r} was refused, version {gate.version} keeps serving: {exc}",
+                           param="path", code="invalid_checkpoint") from None
         except EngineError as exc:
             raise ApiError(502, f"weight update failed, version {gate.version} keeps serving: {exc}",
                            code="engine_error") from None

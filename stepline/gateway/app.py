@@ -38,6 +38,7 @@ from stepline.gateway.frontends.stages import Stages
 from stepline.gateway.metrics import GatewayMetrics
 from stepline.gateway.profile import ModelProfile, detect
 from stepline.gateway.recorder import Recorder
+from stepline.gateway.forks import ForkLimits
 from stepline.gateway.session_service import SessionService
 from stepline.gateway.sessions import SessionStore
 from stepline.gateway.templating import ChatTemplate, load_template
@@ -75,11 +76,12 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
     metrics = GatewayMetrics(router, recorder, gate)  # this app's own registry
     edge, ledger = Edge(settings, store), Ledger(recorder, metrics)
     stages = Stages(prompting, Dispatch(router, gate, recorder, settings.retry_after), ledger, edge.offload)
-    service = SessionService(store, recorder, router)
+    service = SessionService(store, recorder, router, settings.session_lease)
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=[error_boundary(metrics.observe_error, _flavour, _api)])
     app[PROFILE_KEY] = prompting.profile
-    app.cleanup_ctx.append(_reaping(service, settings.session_idle_timeout))
+    app.cleanup_ctx.append(_reaping(service, reaper.Timeouts(settings.session_idle_timeout,
+                                                              settings.fork_idle_timeout)))
 
     def model(handler: Handler) -> Handler:
         return model_route(handler, ledger, store)
@@ -89,8 +91,9 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
             app.router.add_post(f"{prefix}/{path}", model(partial(handle, edge, stages)))
         app.router.add_get(f"{prefix}/models", model(partial(list_models, edge, prompting)))
         app.router.add_post(f"{prefix}/messages/count_tokens", model(partial(messages.count_tokens, edge, template)))
-    app.router.add_routes(SessionRoutes(edge, service, template, settings.public_url).routes())
-    app.router.add_get("/health", model(partial(health, router, gate, store)))
+    limits = ForkLimits(settings.max_forks_per_session, settings.max_forks_per_group, settings.retry_after)
+    app.router.add_routes(SessionRoutes(edge, service, template, settings.public_url, limits).routes())
+    app.router.add_get("/health", model(partial(health, router, gate, store, recorder)))
     app.router.add_routes(admin_routes(gate, settings.admin_token))
     app.router.add_routes(metrics.routes())  # this app's registry only
     return app
@@ -106,10 +109,10 @@ def _model(settings: GatewaySettings, model_dir: Path) -> tuple[ChatTemplate, Pr
     return template, Prompting(settings, template, profile)
 
 
-def _reaping(service: SessionService, timeout: float) -> Callable[[web.Application], AsyncIterator[None]]:
+def _reaping(service: SessionService, timeouts: reaper.Timeouts) -> Callable[[web.Application], AsyncIterator[None]]:
     """The idle-session reaper (stepline.gateway.reaper) runs while the app does."""
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(reaper.run(service, timeout))
+        task = asyncio.create_task(reaper.run(service, timeouts))
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -124,10 +127,14 @@ async def list_models(edge: Edge, prompting: Prompting, request: web.Request) ->
     return web.Response(body=orjson.dumps({"object": "list", "data": [model]}), content_type="application/json")
 
 
-async def health(router: EngineRouter, gate: WeightGate, store: SessionStore, request: web.Request) -> web.Response:
-    """200 `ok` while some engine is healthy; 503 `degraded` when none is (calls would all fail)."""
+async def health(router: EngineRouter, gate: WeightGate, store: SessionStore, recorder: Recorder,
+                 request: web.Request) -> web.Response:
+    """200 `ok` while some engine is healthy and the pool takes writes; `degraded` (and `pool` says why) while the
+    pool fails (full, damaged, out of reach: calls are spilled); 503 when no engine is healthy or the recorder
+    stopped (calls would all fail)."""
     engines = [{"url": url, "healthy": ok} for url, ok in router.healthy.items()]
-    up = any(e["healthy"] for e in engines)
-    body = {"status": "ok" if up else "degraded", "weight_version": gate.version, "engines": engines,
-            "sessions": len(store)}
+    up = any(e["healthy"] for e in engines) and recorder.failure is None
+    pool = recorder.pool_problem
+    body = {"status": "ok" if up and pool is None else "degraded", "weight_version": gate.version,
+            "engines": engines, "sessions": len(store), "pool": pool or "ok"}
     return web.Response(body=orjson.dumps(body), status=200 if up else 503, content_type="application/json")

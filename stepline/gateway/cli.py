@@ -1,7 +1,7 @@
 """`stepline gateway`: the recording gateway in front of one or more engines.
 
     stepline gateway --engine http://127.0.0.1:30000 [--engine URL ...] [--engine-kind builtin|sglang|vllm]
-                     --model DIR --pool sqlite:///pool.db --port 8000 [--admin-token T] [--spill FILE]
+                     --model DIR --pool sqlite:///pool.db --port 8000 [--admin-token T] [--spill FILE | --no-spill]
 
 `running_gateway` composes the parts (shared upstream HTTP session, adapters, router, recorder,
 weight gate, the app) and shuts them down in order: stop accepting, finish in-flight calls, flush
@@ -31,7 +31,7 @@ from stepline.gateway.engines.probe import EngineMismatch, check_engines
 from stepline.gateway.fleet import EngineRouter, WeightGate
 from stepline.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
 from stepline.gateway.recorder import Recorder
-from stepline.gateway.spill import Spill
+from stepline.gateway.spill import Spill, SpillInUse, default_state_dir
 from stepline.modeldir import model_dir_option
 
 __all__ = ["Gateway", "gateway_command", "running_gateway"]
@@ -171,13 +171,29 @@ def http_urls(ctx: click.Context, param: click.Parameter, urls: tuple[str, ...])
     default=None,
     type=click.Path(dir_okay=False),
     help="Spill file: calls acknowledged while the pool is unreachable (or at shutdown) are kept here and "
-    "written at the next start; answers wait until each call is in the pool or this file.",
+    "written at the next start; answers wait until each call is in the pool or this file "
+    "[default: STATE_DIR/gateway-PORT.spill].",
 )
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the default spill file lives [default: $STEPLINE_STATE_DIR, else "
+              "$XDG_STATE_HOME/stepline, else ~/.local/state/stepline].")
+@click.option("--no-spill", is_flag=True,
+              help="No spill file: answers never wait on the pool, and calls acknowledged while it is down are lost "
+              "if the gateway dies.")
 @click.option("--engine-timeout", default=600.0, show_default=True, help="Seconds an engine call may take.")
 @click.option("--session-idle-timeout", default=GatewaySettings.model_fields["session_idle_timeout"].default,
               show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Open sessions without a call for this long end as abandoned (and, at start, the pool's open "
               "sessions created longer ago: those a killed gateway left behind).")
+@click.option("--session-lease", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds the gateway leases its open sessions in the pool for (renewed every third of it); "
+              "if it dies, they end as abandoned once the lease lapses, so their groups become claimable.")
+@click.option("--fork-idle-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Open forks without a call for this long end as abandoned (they would hold their group).")
+@click.option("--max-forks-per-session", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Forks one session may make (429 beyond).")
+@click.option("--max-forks-per-group", default=256, show_default=True, type=click.IntRange(min=0),
+              help="Forks of one group open at once (429 beyond).")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
 @click.option("--update-grace", default=5.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds in-flight calls may run on into a weight update before the engines end them.")
@@ -188,6 +204,8 @@ def gateway_command(
     from stepline.datapool import open_pool
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options["spill_path"] = _spill_path(options.pop("spill_path"), options.pop("state_dir"),
+                                        options.pop("no_spill"), options["port"])
     settings = GatewaySettings(**options)  # every other option is a setting of the same name
     if settings.admin_token is None:
         log.warning("no --admin-token: /admin/* and POST /sessions are open to anyone who can reach port %d",
@@ -198,12 +216,23 @@ def gateway_command(
         raise click.ClickException(f"cannot open the pool {pool_url!r}: {exc}") from exc
     try:
         asyncio.run(_serve(settings, list(engines), engine_kind, model_dir, pool, engine_timeout))
-    except (EngineMismatch, ValueError) as exc:  # ValueError: an --eot-token not in the tokenizer, --inject-tools
+    except (EngineMismatch, ValueError, SpillInUse) as exc:  # ValueError: an --eot-token not in the tokenizer, --inject-tools
         raise click.ClickException(str(exc)) from exc
     except OSError as exc:
         raise click.ClickException(f"cannot serve on {settings.host}:{settings.port}: {exc}") from exc
     finally:
         pool.close()
+
+
+def _spill_path(given: str | None, state_dir: Path | None, off: bool, port: int) -> str | None:
+    """The spill file: the one named, else one per port in the state directory (so a hand-started gateway loses
+    no acknowledged call either), or none with --no-spill."""
+    if off:
+        if given:
+            raise click.UsageError("--spill and --no-spill exclude each other")
+        log.warning("--no-spill: calls acknowledged while the pool is down are lost if this gateway dies")
+        return None
+    return given or str((state_dir or default_state_dir()) / f"gateway-{port}.spill")
 
 
 async def _serve(

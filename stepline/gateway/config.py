@@ -26,6 +26,18 @@ class GatewaySettings(BaseModel):
         24 * 3600.0, gt=0,
         description="open sessions with no call running and none started or ended for this long end as `abandoned`",
     )
+    session_lease: float = Field(
+        60.0, gt=0, description="seconds this gateway leases its open sessions in the pool for, renewed every "
+        "third of it; a killed gateway's sessions end as `abandoned` once their lease lapses",
+    )
+    fork_idle_timeout: float = Field(
+        300.0, gt=0, description="open forks with no call running and none started or ended for this long end as "
+        "`abandoned` (an unfinished fork keeps its group from being claimed)",
+    )
+    max_forks_per_session: int = Field(64, ge=0, description="forks one session may make (429 beyond)")
+    max_forks_per_group: int = Field(
+        256, ge=0, description="forks of one group open at once, through this gateway (429 beyond)"
+    )
     spill_path: str | None = Field(
         None, description="local file for calls the pool cannot take yet (answers wait until each call is in the "
         "pool or this file); None: no spill file, answers never wait on the pool",

@@ -42,7 +42,7 @@ import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 
-from stepline.gateway.engines import EngineClient, EngineError, EngineUnavailable
+from stepline.gateway.engines import EngineClient, EngineError, EngineRejected, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,10 @@ class WeightGate:
             if failed:
                 await self._roll_back([c for c, r in zip(clients, results) if not isinstance(r, BaseException)])
                 detail = "; ".join(f"{c.url}: {r}" for c, r in failed)
-                raise EngineError(f"weight update failed on {len(failed)} of {len(clients)} engines: {detail}")
+                # every engine refused the checkpoint itself (a 4xx: no such folder, tensors that do not fit):
+                # the caller's mistake, answered 400, not an engine failure
+                kind = EngineRejected if all(isinstance(r, EngineRejected) for _, r in failed) else EngineError
+                raise kind(f"weight update failed on {len(failed)} of {len(clients)} engines: {detail}")
         finally:
             await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
 

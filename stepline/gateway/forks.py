@@ -30,7 +30,16 @@ from stepline.datapool.base import Pool
 from stepline.datapool.records import CallRecord
 from stepline.gateway.engines import Generation
 
-__all__ = ["Replay", "Replayed", "recorded_prefix"]
+__all__ = ["ForkLimits", "Replay", "Replayed", "recorded_prefix"]
+
+
+@dataclass(frozen=True)
+class ForkLimits:
+    """How many forks one session may make, and one group have open (through this gateway); 429 beyond."""
+
+    per_session: int = 64
+    per_group: int = 256
+    retry_after: float = 1.0  # Retry-After (s) of the group's 429: forks end, room comes back
 
 
 @dataclass

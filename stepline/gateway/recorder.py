@@ -14,6 +14,11 @@ Failure policy:
   locked, a lost connection): the batch stays at the head of the queue and is retried with exponential
   backoff capped at `max_backoff` s. The queue keeps filling meanwhile; `has_capacity()` turns False at
   `max_queue`, and the app answers 503.
+- the pool's disk is full (`PoolFull`, an outage too): the calls stay queued (and spilled) as above, but the
+  session creations, rewards, ends and reads queued are answered with the error at once instead of waiting
+  behind them, so their callers fail fast with a clear error.
+- the database is damaged (`PoolCorrupt`): permanent, so the recorder stops as below (the calls spilled).
+  `pool_problem` says what is wrong with the pool (None while writes succeed): the app's /health reads it.
 - anything else (a bug, a refused token): the recorder stops loudly. The error is logged with its
   traceback, waiting callers get it, `failure` holds it, `has_capacity()` turns False (the app answers
   503) and the queued records stay unwritten (counted at close): an error is never retried as an outage.
@@ -42,7 +47,7 @@ from typing import Any, TypeVar
 import zstandard
 from typing_extensions import TypedDict, Unpack
 
-from stepline.datapool.base import Pool, PoolError, is_unavailable
+from stepline.datapool.base import Pool, PoolCorrupt, PoolError, PoolFull, is_unavailable
 from stepline.datapool.records import CallRecord, Reward, SessionInfo
 from stepline.gateway.spill import Spill
 
@@ -98,6 +103,7 @@ class Recorder:
         self.pool_errors = 0  # failed writes (each retried)
         self.failure: BaseException | None = None  # what stopped the worker: not an outage (see above)
         self.replayed = 0  # calls read back from the spill file at start
+        self.pool_problem: str | None = None  # what the last pool write failed with; None once one succeeds
 
     # --- lifecycle ---
     async def start(self) -> None:
@@ -187,9 +193,12 @@ class Recorder:
             try:
                 self._write(batch)
             except Exception as exc:
+                self.pool_problem = f"{type(exc).__name__}: {exc}"
                 if not is_unavailable(exc):  # a bug or a refusal, not an outage: stop, loudly
                     self._fail(exc)
                     return
+                if isinstance(exc, PoolFull):  # no end in sight: the callers waiting behind the calls are told
+                    self._fail_controls(exc)
                 self.pool_errors += 1  # the pool is down: keep the batch, back off, retry
                 backoff = min(self.max_backoff, max(0.05, backoff * 2))
                 log.warning("pool write failed (%r); %d records queued, retry in %.2f s", exc, self.depth(), backoff)
@@ -235,6 +244,17 @@ class Recorder:
             item.spilled = True
             _resolve(item.done, None)
         self._spilled += len(items)
+
+    def _fail_controls(self, exc: Exception) -> None:
+        """Answer every queued session creation, reward, end and read with `exc` (the calls stay queued)."""
+        self._drain()
+        controls = [item for item in self._pending if item.kind != "call"]
+        if not controls:
+            return
+        self._pending = deque(item for item in self._pending if item.kind == "call")
+        self._pending_controls = 0
+        for item in controls:
+            _resolve(item.done, exc)
 
     def _take(self, item: _Item | None) -> bool:
         """Move an inbox item to _pending; False for the close sentinel."""
@@ -312,10 +332,13 @@ class Recorder:
                 self.pool.end_session(*head.payload)
             elif head.kind == "abandon":
                 self.pool.abandon_idle(*head.payload)
-        except PoolError as exc:  # refused: the waiting caller gets the error
+        except PoolError as exc:  # refused (or the disk is full): the waiting caller gets the error
+            if isinstance(exc, PoolCorrupt | PoolFull):
+                self.pool_problem = f"{type(exc).__name__}: {exc}"
             self._pop(1)
             _resolve(head.done, exc)
         else:
+            self.pool_problem = None
             self._pop(1)
             _resolve(head.done, None)
 
@@ -335,7 +358,9 @@ class Recorder:
     def _write_calls(self, records: list[CallRecord]) -> None:
         try:
             self.pool.add_calls(records)
-        except PoolError:
+        except PoolError as exc:
+            if isinstance(exc, PoolCorrupt) or is_unavailable(exc):
+                raise  # not a refusal of these records: an outage, or a damaged pool
             if len(records) == 1:
                 self._refuse(records[0])
                 return
@@ -347,7 +372,9 @@ class Recorder:
         for record in records:
             try:
                 self.pool.add_calls([record])
-            except PoolError:
+            except PoolError as exc:
+                if isinstance(exc, PoolCorrupt) or is_unavailable(exc):
+                    raise
                 self._refuse(record)
             else:
                 self._pop(1)
@@ -360,6 +387,7 @@ class Recorder:
 
     def _count_written(self, n: int) -> None:
         self.written += n
+        self.pool_problem = None
 
     def _fail(self, exc: Exception) -> None:
         self.failure = exc

@@ -1,7 +1,10 @@
 """The sessions service: a session's life in the pool, shared by the session routes and the idle-session reaper.
 
-    SessionService(store, recorder, router)
-        open(session)                      commit a new session to the pool, then make it callable
+    SessionService(store, recorder, router, lease)
+        open(session)                      commit a new session to the pool, leased to this gateway, then make it
+                                           callable
+        renew_leases()                     lease every open session of this gateway for `lease` s more; end here
+                                           those the pool no longer holds open
         end(sessions, status)              end them here (no new call gets in), then in the pool, then let the
                                            router forget them; returns the pool's refusals
         abandon_orphans(idle_seconds)      end the pool's open sessions this gateway does not serve
@@ -13,6 +16,8 @@ once the pool has committed it.
 
 from __future__ import annotations
 
+import logging
+
 from stepline.datapool.base import PoolError
 from stepline.datapool.records import CallRecord, Reward
 from stepline.gateway.fleet import EngineRouter
@@ -22,17 +27,38 @@ from stepline.gateway.sessions import Session, SessionStore
 
 __all__ = ["SessionService"]
 
+log = logging.getLogger(__name__)
+
 
 class SessionService:
-    def __init__(self, store: SessionStore, recorder: Recorder, router: EngineRouter) -> None:
+    def __init__(self, store: SessionStore, recorder: Recorder, router: EngineRouter, lease: float = 60.0) -> None:
         self.store = store
         self.recorder = recorder
         self.router = router
+        self.lease = lease  # seconds each renewal leases this gateway's sessions for (`session_lease`)
 
     async def open(self, session: Session) -> None:
-        """Commit a new session to the pool (a `PoolError` when it refuses), then make it callable."""
+        """Commit a new session to the pool (a `PoolError` when it refuses) and lease it from its first moment
+        (a crash right after frees it too), then make it callable."""
         await self.recorder.create_session(session.info)
+        await self._lease([session.info.session_id])
         self.store.add(session)
+
+    async def renew_leases(self) -> None:
+        """Lease every open session of this gateway for `lease` s from now (stepline/gateway/reaper.py)."""
+        await self._lease(self.store.open_ids())
+
+    async def _lease(self, session_ids: list[str]) -> None:
+        """Those the pool no longer holds open (a lease that lapsed while it was out of reach) end here too, so a
+        later call gets 409."""
+        seconds = self.lease
+        gone = await self.recorder.read(lambda pool: pool.renew_leases(session_ids, seconds))
+        for sid in gone:
+            session = self.store.get(sid)
+            if session is not None and not session.ended:
+                log.warning("session %s was ended by the pool (its lease lapsed): ended here too", sid)
+                self.store.end(session)
+                self.router.forget(sid)
 
     async def end(self, sessions: list[Session], status: str) -> list[tuple[Session, PoolError]]:
         """End `sessions` as `status`: all of them here before the first await (a call arriving meanwhile gets

@@ -48,7 +48,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +93,7 @@ class Session:
     calls_in_flight: int = 0  # a session with a call running is never idle, however long the call takes
     responses: dict[str, list] = field(default_factory=dict)  # Responses API: response id -> its conversation
     replay: Replay | None = None  # a fork on its way to its branch point (stepline/gateway/forks.py)
+    forks: int = 0  # forks made from this session (bounded: GatewaySettings.max_forks_per_session)
     # the runner's sampling for every call of this session (POST /sessions `sampling`), over the request's own
     sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -116,6 +117,7 @@ class SessionStore:
         self._by_id: dict[str, Session] = {}
         self._by_key: dict[str, Session] = {}
         self._live: OrderedDict[str, Session] = OrderedDict()  # sessions with token memory, least recent first
+        self._open_forks: Counter[str] = Counter()  # group key -> forks of that group not ended
 
     def new(self, task_id: str, harness: str, group_id: str | None, metadata: dict,
             purpose: Purpose = "train") -> Session:
@@ -129,6 +131,12 @@ class SessionStore:
         """Make a session visible (after the pool has committed it)."""
         self._by_id[session.info.session_id] = session
         self._by_key[session.api_key] = session
+        if session.info.fork_of is not None:
+            self._open_forks[session.info.group_key] += 1
+
+    def open_forks(self, group_key: str) -> int:
+        """Forks of this group (made through this gateway) not ended."""
+        return self._open_forks[group_key]
 
     def get(self, session_id: str) -> Session | None:
         return self._by_id.get(session_id)
@@ -154,6 +162,8 @@ class SessionStore:
 
     def end(self, session: Session) -> None:
         """Mark ended and free its token memory; the id stays known so later calls get a clear error."""
+        if not session.ended and session.info.fork_of is not None:
+            self._open_forks[session.info.group_key] -= 1
         session.ended = True
         self._live.pop(session.info.session_id, None)
         self._forget_tokens(session)
@@ -167,11 +177,13 @@ class SessionStore:
         session.calls_in_flight -= 1
         session.last_active = time.monotonic()
 
-    def idle(self, seconds: float) -> list[Session]:
-        """Open sessions with no call running and none started or ended in the last `seconds` (the reaper ends
-        them as abandoned)."""
-        cutoff = time.monotonic() - seconds
-        return [s for s in self._by_id.values() if not s.ended and not s.calls_in_flight and s.last_active < cutoff]
+    def idle(self, seconds: float, fork_seconds: float | None = None) -> list[Session]:
+        """Open sessions with no call running and none started or ended in the last `seconds` (forks: in the
+        last `fork_seconds`, when given); the reaper ends them as abandoned."""
+        now = time.monotonic()
+        cutoff, fork_cutoff = now - seconds, now - (seconds if fork_seconds is None else fork_seconds)
+        return [s for s in self._by_id.values() if not s.ended and not s.calls_in_flight
+                and s.last_active < (fork_cutoff if s.info.fork_of is not None else cutoff)]
 
     def open_ids(self) -> list[str]:
         """Ids of this gateway's sessions not ended (live, whatever their age)."""

@@ -12,6 +12,7 @@ frame (a crash mid-append, before its fsync, so never acknowledged) is cut off w
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import struct
@@ -21,20 +22,39 @@ from pathlib import Path
 from stepline.datapool import wire
 from stepline.datapool.records import CallRecord
 
-__all__ = ["Spill"]
+__all__ = ["Spill", "SpillInUse", "default_state_dir"]
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<II")
 
 
+class SpillInUse(RuntimeError):
+    """Another process (a second gateway) holds the spill file."""
+
+
+def default_state_dir() -> Path:
+    """Where a gateway keeps its spill file when none is named: $STEPLINE_STATE_DIR, else
+    $XDG_STATE_HOME/stepline, else ~/.local/state/stepline."""
+    if os.environ.get("STEPLINE_STATE_DIR"):
+        return Path(os.environ["STEPLINE_STATE_DIR"])
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "stepline"
+
+
 class Spill:
-    """An append-only file of call records (one writer: the recorder's worker thread)."""
+    """An append-only file of call records (one writer: the recorder's worker thread), locked against a
+    second gateway for as long as it is open (two writers would interleave and truncate each other's calls)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         created = not self.path.exists()
         self._file = self.path.open("a+b")
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise SpillInUse(f"the spill file {self.path} is in use by another gateway: give this one its own "
+                             "(--spill FILE or --state-dir DIR)") from None
         if created:  # the directory entry must survive a crash too
             _fsync_dir(self.path.parent)
         self._loaded, good = _read_frames(self.path.read_bytes())

@@ -89,13 +89,15 @@ class GatewaySpec:
     spill: Path | None = None
     session_idle_timeout: float | None = None
     context_length: int | None = None
+    session_lease: float | None = None
 
     def to_argv(self) -> list[str]:
         engines = [arg for url in self.engines for arg in ("--engine", url)]
         return stepline_argv("gateway", *engines, "--engine-kind", self.engine_kind, "--model", str(self.model),
                              "--pool", self.pool, *_option("--host", self.host), "--port", str(self.port),
                              *_option("--spill", self.spill), *_option("--session-idle-timeout", self.session_idle_timeout),
-                             *_option("--context-length", self.context_length))
+                             *_option("--context-length", self.context_length),
+                             *_option("--session-lease", self.session_lease))
 
 
 def fill(argv: list[str], values: Mapping[str, str]) -> list[str]:

@@ -86,7 +86,7 @@ def test_files_come_back_at_close_without_setid_bits_and_no_bigger(tmp_path: Pat
     out = tmp_path / "box"
     assert (out / "input.txt").read_text() == "from the task\n" and (out / "d" / "a").read_text() == "x\n"
     assert os.stat(out / "su").st_mode & 0o6000 == 0  # the setuid and setgid bits are gone
-    assert os.readlink(out / "link") == "/etc/passwd"  # copied as a link, never followed
+    assert not os.path.lexists(out / "link")  # never followed, and a link out of the folder is dropped
     assert os.stat(out / "d" / "a").st_ino == os.stat(out / "d" / "b").st_ino  # one file, not two
     assert os.stat(out / "sparse").st_blocks == 0  # 7 MiB of hole stays a hole on the host disk
     assert box.directory == out

@@ -154,3 +154,18 @@ def test_commands_die_with_a_killed_harness(tmp_path: Path) -> None:
     while _processes_of(uid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _processes_of(uid) == []
+
+
+@both_modes
+def test_symlinks_out_of_the_episode_folder_do_not_survive_close(tmp_path: Path, mode: str) -> None:
+    # inside the sandbox these name its read-only view of the system; in the folder the verifier reads after the
+    # episode they would name the host's /etc/shadow, /, and the project's files
+    box = _box(tmp_path, mode)
+    made = box.run("echo hi > f && mkdir d && ln -s /etc/shadow shadow && ln -s / root && ln -s ../.. up"
+                   " && ln -s f ok && ln -s ../f d/ok && ln -s ../up d/chain && ln -s /work/f abs")
+    assert made.exit_code == 0, made.output
+    box.close()
+    out = tmp_path / "box"
+    assert sorted(p.name for p in out.iterdir()) == ["d", "f", "ok"]
+    assert sorted(p.name for p in (out / "d").iterdir()) == ["ok"]  # the link to a link out is gone too
+    assert (out / "ok").is_symlink() and (out / "ok").read_text() == (out / "d" / "ok").read_text() == "hi\n"

@@ -43,7 +43,8 @@ class ServiceThread:
         started = threading.Event()
 
         async def start() -> None:
-            self.runner = web.AppRunner(make_app(open_pool(self.db_url), self.tokens), access_log=None)
+            self.pool = open_pool(self.db_url)  # the service's own (tests reach into its database)
+            self.runner = web.AppRunner(make_app(self.pool, self.tokens), access_log=None)
             await self.runner.setup()
             site = web.TCPSite(self.runner, "127.0.0.1", 0)
             await site.start()

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pool_helpers import call, session
 
-from stepline.datapool import InvalidRecord, ReadOnlyPool, UnknownSession, open_pool
+from stepline.datapool import InvalidRecord, PoolError, ReadOnlyPool, UnknownSession, open_pool
 from stepline.datapool.records import Reward
 from stepline.datapool.tree import RadixTree
 
@@ -118,6 +118,26 @@ def test_rewards_terminal_step_named_and_delayed(pool):
     with pytest.raises(InvalidRecord, match="value × weight"):  # each factor within the bound, the product not
         pool.add_reward(Reward("s1", 1e5, name="bonus", weight=1e5))
     assert pool.stats()["rewards"] == 3
+
+
+def test_the_reward_bound_is_a_pool_option(tmp_path) -> None:
+    wide = open_pool(f"sqlite:///{tmp_path / 'p.db'}?max_reward=1e9&synchronous=normal")
+    try:
+        wide.create_session(session("s1"))
+        wide.add_reward(Reward("s1", 1e8))  # outside the default bound of 1e6, inside this pool's
+        with pytest.raises(InvalidRecord, match=r"value × weight .* outside \[-1e\+09, 1e\+09\]"):
+            wide.add_reward(Reward("s1", 1e5, name="bonus", weight=1e5))
+    finally:
+        wide.close()
+    default = open_pool(f"sqlite:///{tmp_path / 'p.db'}")
+    try:
+        with pytest.raises(InvalidRecord, match="value 1e.08 is outside"):
+            default.add_reward(Reward("s1", 1e8))
+    finally:
+        default.close()
+    for bad in ("0", "nan", "big"):
+        with pytest.raises(PoolError, match="max_reward"):
+            open_pool(f"sqlite:///{tmp_path / 'q.db'}?max_reward={bad}")
 
 
 def finish(pool, sid, reward: float | None = 1.0, status="completed", version=0, task="t1", group=None):

@@ -13,6 +13,7 @@ from pool_helpers import ServiceThread
 from stepline.datapool import open_pool
 from stepline.datapool.base import InvalidRecord, PoolError
 from stepline.datapool.records import PURPOSES, SessionInfo, legacy_purpose
+from stepline.datapool.sql import SCHEMA_VERSION
 from stepline.datapool.wire import decode_session
 
 
@@ -57,6 +58,7 @@ def _as_schema_1(path) -> None:
     """Turn a schema-2 SQLite pool back into what schema 1 wrote: no purpose column."""
     with sqlite3.connect(path) as db:
         db.execute("ALTER TABLE sessions DROP COLUMN purpose")
+        db.execute("ALTER TABLE sessions DROP COLUMN lease_until")
         db.execute("UPDATE meta SET value = '1' WHERE key = 'schema'")
 
 
@@ -77,7 +79,7 @@ def test_a_schema_1_pool_is_migrated_when_opened_writable(tmp_path) -> None:
     finally:
         pool.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("2",)
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (str(SCHEMA_VERSION),)
     reader = open_pool(f"sqlite:///{path}", read_only=True)
     try:
         assert reader.get_session("new").purpose == "eval"

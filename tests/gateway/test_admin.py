@@ -70,17 +70,17 @@ async def test_bad_bodies_400_naming_the_field(setup, body, where) -> None:
     assert gate.version == 0
 
 
-async def test_not_newer_version_409_and_engine_failure_502(setup) -> None:
+async def test_not_newer_version_409_and_a_refused_path_400_naming_it(setup) -> None:
     client, fake, gate = setup
     resp = await client.post("/admin/update_weights", json={"path": "/x", "version": 0}, headers=AUTH)
     assert resp.status == 409
     assert (await resp.json())["error"] == {  # the OpenAI format every other route answers in
         "message": "version 0 is not newer than the serving version 0", "type": "conflict_error", "param": None,
         "code": "update_refused"}
-    fake.fail_updates = 1
+    fake.fail_updates = 1  # the engine answers 400 {"success": false}, as the built-in engine does for a bad folder
     resp = await client.post("/admin/update_weights", json={"path": "/bad", "version": 1}, headers=AUTH)
-    assert resp.status == 502
-    message = (await resp.json())["error"]["message"]
-    assert "version 0 keeps serving" in message and "cannot load /bad" in message
-    assert (await resp.json())["error"]["code"] == "engine_error"
+    assert resp.status == 400  # an admin's mistake, not an engine failure (it was 502)
+    error = (await resp.json())["error"]
+    assert "version 0 keeps serving" in error["message"] and "cannot load /bad" in error["message"]
+    assert (error["param"], error["code"]) == ("path", "invalid_checkpoint")
     assert gate.version == 0

@@ -4,6 +4,7 @@ records the link in the pool, and branches earlier where the harness does not re
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +127,49 @@ async def test_fork_requests_are_checked(qwen3_model_dir: Path, tmp_path: Path) 
             shown = await c.get(f"/sessions/{source['session_id']}", headers={"Authorization": f"Bearer {source['api_key']}"})
             assert shown.status_code == 200
             assert shown.json()["calls"] == 1 and shown.json()["ended"] is False and shown.json()["fork_of"] is None
+
+
+async def test_forks_are_bounded_per_session_and_per_group(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    # one session key could open forks without end (3,000 in 24 s): past the bound, 429 in the API's format
+    engine = fake_engine(tokenizer(qwen3_model_dir), [tool_call("a"), "done"])
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path, max_forks_per_session=3,
+                                    max_forks_per_group=4) as served:
+        source = await served.session(task="t", harness="h", group_id="g")
+        await play(source, turns=2)
+        for _ in range(3):
+            assert (await fork(served.url, source, 0)).status_code == 201
+        refused = await fork(served.url, source, 0)
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "too_many_forks"
+        assert "max_forks_per_session" in refused.json()["error"]["message"]
+        peer = await served.session(task="t", harness="h", group_id="g")
+        await play(peer, turns=2)
+        assert (await fork(served.url, peer, 0)).status_code == 201  # the group's 4th open fork
+        refused = await fork(served.url, peer, 0)
+        assert refused.status_code == 429 and "max_forks_per_group" in refused.json()["error"]["message"]
+        assert refused.headers["Retry-After"]
+        assert len(served.pool.list_sessions()) == 2 + 4  # nothing was created for a refused fork
+
+
+async def test_an_unfinished_fork_stops_holding_its_group_after_its_own_short_bound(
+        qwen3_model_dir: Path, tmp_path: Path) -> None:
+    # the source and its peer rewarded and ended; a fork nobody plays must not keep the group unclaimable
+    # until the (long) session idle timeout
+    engine = fake_engine(tokenizer(qwen3_model_dir), [tool_call("a"), "done"])
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path, fork_idle_timeout=0.5) as served:
+        source = await served.session(task="t", harness="h", group_id="g")
+        await play(source, turns=2)
+        branch = (await fork(served.url, source, 1)).json()
+        async with httpx.AsyncClient(base_url=served.url, headers={"Authorization": "Bearer adm"}) as c:
+            assert (await c.post(f"/sessions/{source['session_id']}/reward", json={"value": 1.0})).status_code == 200
+            assert (await c.post(f"/sessions/{source['session_id']}/end", json={})).status_code == 200
+        await served.flush()
+        assert served.pool.claim_groups("t", 0, 10) == []  # the open fork holds the group
+        for _ in range(100):  # the reaper sweeps every 0.125 s here; a bound, not a measurement
+            if served.pool.get_session(branch["session_id"]).status != "open":
+                break
+            await asyncio.sleep(0.05)
+        assert served.pool.get_session(branch["session_id"]).status == "abandoned"
+        (group,) = served.pool.claim_groups("t", 0, 10)
+        assert [e.info.session_id for e in group.episodes] == [source["session_id"]]
+        assert served.pool.get_session(source["session_id"]).status == "completed"  # the 24 h timeout still rules it

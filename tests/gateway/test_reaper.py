@@ -101,3 +101,17 @@ async def test_a_call_slower_than_the_timeout_is_not_reaped_while_it_runs(qwen3_
                 await asyncio.sleep(0.05)
             assert served.pool.get_session(s["session_id"]).status == "abandoned"  # idle after its call ended
         assert len(served.calls(s["session_id"])) == 1
+
+
+async def test_a_live_gateway_renews_its_idle_sessions_leases_so_they_follow_the_idle_timeout(
+        qwen3_model_dir: Path, tmp_path: Path) -> None:
+    # leased for 0.3 s, renewed every 0.1 s: an idle session of a running gateway outlives many leases (the claim
+    # ends any session whose lease lapsed), and its gateway's idle timeout still applies
+    engine = fake_engine(tokenizer(qwen3_model_dir), [])
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path, session_lease=0.3) as served:
+        s = await served.session()
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {s['api_key']}"}) as c:
+            assert (await c.post(f"{s['openai_base_url']}/chat/completions", json=CHAT)).status_code == 200
+        await asyncio.sleep(1.2)  # four leases, no call
+        assert served.pool.claim_groups("t", 0, 10) == []
+        assert served.pool.get_session(s["session_id"]).status == "open"

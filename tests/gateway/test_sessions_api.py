@@ -237,3 +237,17 @@ async def test_the_runners_sampling_holds_for_every_call_of_a_session(qwen3_mode
         assert sampled(fixed) == [(0.0, 0.8, 5), (0.0, 1.0, 5)]  # the session's fields win; top_p stays the request's
         assert sampled(free) == [(0.9, 0.8, -1), (0.9, 1.0, -1)]
         assert sampled(branch)[-1] == (0.0, 1.0, 5)  # a fork samples as its source did
+
+
+async def test_a_reward_whose_product_is_not_finite_is_refused_naming_the_field(
+        qwen3_model_dir: Path, tmp_path: Path) -> None:
+    # a session's own key posted this: each factor finite, their product not; trained on, the policy went NaN
+    async with fake_engine(tokenizer(qwen3_model_dir), []) as url, serve(qwen3_model_dir, [url], tmp_path) as served:
+        s = await served.session()
+        async with httpx.AsyncClient(base_url=served.url, headers={"Authorization": f"Bearer {s['api_key']}"}) as c:
+            for body, field in (({"value": 1e300, "name": "bonus", "weight": 1e10}, "value"),
+                                ({"value": 1.0, "name": "bonus", "weight": 1e10}, "weight"),
+                                ({"value": 1e5, "name": "bonus", "weight": 1e5}, "value × weight")):
+                r = await c.post(f"/sessions/{s['session_id']}/reward", json=body)
+                assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+        assert served.pool.get_episode(s["session_id"]).rewards == []

@@ -14,7 +14,7 @@ import pytest
 from stepline.datapool import open_pool
 from stepline.datapool.records import CallRecord, SessionInfo
 from stepline.gateway.recorder import Recorder
-from stepline.gateway.spill import Spill
+from stepline.gateway.spill import Spill, SpillInUse
 
 
 def call(session: str, index: int) -> CallRecord:
@@ -149,3 +149,55 @@ async def test_the_answer_waits_until_its_call_is_durable(tiny_model_dir: Path, 
             gate.set()
             assert (await reply).status_code == 200
         assert len(served.pool.get_tree(session["session_id"]).calls) == 1
+
+
+def test_a_spill_file_has_one_gateway_at_a_time(tmp_path: Path) -> None:
+    # the default spill file is one per port in the state directory: a second gateway on it would interleave its
+    # calls with the first one's and truncate them once its own were written
+    first = Spill(tmp_path / "gateway-8000.spill")
+    with pytest.raises(SpillInUse, match="in use by another gateway"):
+        Spill(tmp_path / "gateway-8000.spill")
+    first.close()
+    Spill(tmp_path / "gateway-8000.spill").close()  # free again once the first is closed
+
+
+def test_the_gateway_command_spills_by_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from stepline.gateway.cli import _spill_path
+
+    monkeypatch.setenv("STEPLINE_STATE_DIR", str(tmp_path / "state"))
+    assert _spill_path(None, None, False, 8001) == str(tmp_path / "state" / "gateway-8001.spill")
+    assert _spill_path(None, tmp_path / "mine", False, 8001) == str(tmp_path / "mine" / "gateway-8001.spill")
+    assert _spill_path("x.spill", None, False, 8001) == "x.spill"
+    assert _spill_path(None, None, True, 8001) is None
+
+
+async def test_a_full_pool_disk_fails_creates_fast_says_degraded_and_spills_the_calls(
+        qwen3_model_dir: Path, tmp_path: Path) -> None:
+    # before, session creates blocked past 30 s while /health said ok; SQLite's max_page_count stands in for the disk
+    import httpx
+    from gateway_helpers import fake_engine, serve, tokenizer
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x " * 3000}], "max_tokens": 4}
+    async with fake_engine(tokenizer(qwen3_model_dir), []) as url, \
+            serve(qwen3_model_dir, [url], tmp_path, spill_path=str(tmp_path / "gw.spill")) as served:
+        s = await served.session()
+        async with httpx.AsyncClient(base_url=served.url, timeout=20) as c:
+            with served.pool._lock:
+                pages = served.pool.conn.execute("PRAGMA page_count").fetchone()[0]
+                served.pool.conn.execute(f"PRAGMA max_page_count = {pages}")
+            key = {"Authorization": f"Bearer {s['api_key']}"}
+            for _ in range(8):  # acknowledged: each is in the pool or the spill file
+                assert (await c.post(f"{s['openai_base_url']}/chat/completions", json=chat,
+                                     headers=key)).status_code == 200
+            health = (await c.get("/health")).json()
+            assert health["status"] == "degraded" and "PoolFull" in health["pool"]
+            created = await c.post("/sessions", json={"task_id": "t", "harness": "h"},
+                                   headers={"Authorization": "Bearer adm"})
+            assert created.status_code == 503 and created.json()["error"]["code"] == "pool_full"
+            assert "disk is full" in created.json()["error"]["message"]
+            assert (tmp_path / "gw.spill").stat().st_size > 0
+            with served.pool._lock:
+                served.pool.conn.execute("PRAGMA max_page_count = 1000000")  # space freed
+            await served.flush()
+            assert len(served.calls(s["session_id"])) == 8
+            assert (await c.get("/health")).json()["status"] == "ok"

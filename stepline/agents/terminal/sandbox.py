@@ -268,6 +268,24 @@ class Sandbox:
         else:
             subprocess.run(["chmod", "-R", "ug-s", str(self.root)], env={"PATH": _PATH}, capture_output=True,
                            check=False)
+        drop_escaping_links(self.root)
+
+
+def drop_escaping_links(root: Path) -> list[Path]:
+    """Remove the symlinks under `root` that resolve outside it, and return them. Inside the sandbox a link to
+    /etc/shadow or / names the chroot's read-only view; in the episode folder the verifier reads, it would name
+    the host's files. Links within the folder (relative ones to its own files) stay."""
+    top = os.path.realpath(root)
+    links = [Path(folder) / name for folder, dirs, files in os.walk(root)  # never into a linked directory
+             for name in dirs + files if os.path.islink(os.path.join(folder, name))]
+    # all judged before any is removed: a link to a removed link would resolve inside
+    dropped = [path for path in links if os.path.commonpath([top, os.path.realpath(path)]) != top]
+    if dropped:
+        print(f"terminal sandbox: {len(dropped)} symlinks pointing outside the episode folder removed "
+              f"(first: {dropped[0].relative_to(root)} -> {os.readlink(dropped[0])})", file=sys.stderr)
+    for path in dropped:
+        path.unlink()
+    return dropped
 
 
 def _read_some(fd: int, timeout: float) -> bytes | None:

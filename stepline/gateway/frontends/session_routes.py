@@ -17,9 +17,9 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from stepline.datapool.base import PoolError, UnknownSession
+from stepline.datapool.base import PoolCorrupt, PoolError, PoolFull, UnknownSession
 from stepline.datapool.records import FORK_KEY, Purpose, Reward
-from stepline.gateway.forks import Replay
+from stepline.gateway.forks import ForkLimits, Replay
 from stepline.gateway.frontends.edge import Edge
 from stepline.gateway.frontends.errors import ApiError, from_validation
 from stepline.gateway.session_service import SessionService
@@ -80,17 +80,23 @@ def _parse(model: type[_Body], data: Any) -> Any:
 
 
 def _pool_error(exc: PoolError) -> ApiError:
+    if isinstance(exc, PoolFull):  # nothing written; worth a retry once space is freed
+        return ApiError(503, f"pool: {exc}", code="pool_full", retry_after=30.0)
+    if isinstance(exc, PoolCorrupt):  # permanent: a retry gets the same answer
+        return ApiError(500, f"pool: {exc}", code="pool_corrupt")
     return ApiError(404 if isinstance(exc, UnknownSession) else 400, f"pool: {exc}")
 
 
 class SessionRoutes:
-    def __init__(self, edge: Edge, service: SessionService, template: ChatTemplate, public_url: str | None) -> None:
+    def __init__(self, edge: Edge, service: SessionService, template: ChatTemplate, public_url: str | None,
+                 fork_limits: ForkLimits | None = None) -> None:
         self.edge = edge
         self.service = service
         self.store = service.store
         self.template = template  # a fork's replay decodes the recorded ids as the engines do
         self.public_url = public_url
         self.admin_token = edge.admin_token
+        self.fork_limits = fork_limits or ForkLimits()
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/sessions", self.create), web.get("/sessions/{session}", self.show),
@@ -139,6 +145,7 @@ class SessionRoutes:
                            param="call")
         if FORK_KEY in body.metadata:
             raise ApiError(400, f"metadata.{FORK_KEY} is the fork's link, set by the gateway", param=f"metadata.{FORK_KEY}")
+        self._check_fork_limits(source)
         try:  # after every call of the source queued before (the recorder reads in order)
             calls = await self.service.calls_before(sid, body.call)
         except PoolError as exc:
@@ -148,7 +155,22 @@ class SessionRoutes:
         template = self.template
         session.replay = Replay(calls, template.stop_token_ids, template.decode)
         session.sampling = dict(source.sampling)  # a branch samples as its trunk did
-        return await self._open(request, session)
+        answer = await self._open(request, session)
+        source.forks += 1
+        return answer
+
+    def _check_fork_limits(self, source: Session) -> None:
+        """429 past the fork bounds: one session key must not open sessions without end (each is a pool row,
+        and an open fork keeps its group from being claimed)."""
+        limits, sid = self.fork_limits, source.info.session_id
+        if source.forks >= limits.per_session:
+            raise ApiError(429, f"session {sid} has made {source.forks} forks, the most one session may make "
+                           f"(max_forks_per_session)", code="too_many_forks")
+        open_forks = self.store.open_forks(source.info.group_key)
+        if open_forks >= limits.per_group:
+            raise ApiError(429, f"group {source.info.group_key!r} has {open_forks} open forks, the most one group may "
+                           "have (max_forks_per_group); end some first", code="too_many_forks",
+                           retry_after=limits.retry_after)
 
     def _owned(self, request: web.Request) -> Session:
         """The session in the URL, if the caller may act on it."""
