@@ -26,6 +26,7 @@ from stepline.gateway import reaper
 from stepline.gateway.admin import admin_routes
 from stepline.gateway.config import GatewaySettings
 from stepline.gateway.fleet import EngineRouter, WeightGate
+from stepline.gateway.forks import ForkLimits
 from stepline.gateway.frontends import chat, completions, messages, responses
 from stepline.gateway.frontends.dispatch import Dispatch
 from stepline.gateway.frontends.edge import Edge
@@ -38,7 +39,6 @@ from stepline.gateway.frontends.stages import Stages
 from stepline.gateway.metrics import GatewayMetrics
 from stepline.gateway.profile import ModelProfile, detect
 from stepline.gateway.recorder import Recorder
-from stepline.gateway.forks import ForkLimits
 from stepline.gateway.session_service import SessionService
 from stepline.gateway.sessions import SessionStore
 from stepline.gateway.templating import ChatTemplate, load_template

@@ -162,7 +162,7 @@ def test_symlinks_out_of_the_episode_folder_do_not_survive_close(tmp_path: Path,
     # episode they would name the host's /etc/shadow, /, and the project's files
     box = _box(tmp_path, mode)
     made = box.run("echo hi > f && mkdir d && ln -s /etc/shadow shadow && ln -s / root && ln -s ../.. up"
-                   " && ln -s f ok && ln -s ../f d/ok && ln -s ../up d/chain && ln -s /work/f abs")
+                   " && ln -s f ok && ln -s ../f d/ok && ln -s ../up d/chain && ln -s /srv/f abs")
     assert made.exit_code == 0, made.output
     box.close()
     out = tmp_path / "box"
