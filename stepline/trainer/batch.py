@@ -28,7 +28,7 @@ from stepline.trainer.tree_forward import PackedForest, pack_forest, training_no
 if TYPE_CHECKING:
     from stepline.trainer.config import TrainerConfig
 
-__all__ = ["Batch", "TokenView", "build_batch", "episode_filter", "group_filter", "shaping", "token_view"]
+__all__ = ["Batch", "TokenView", "build_batch", "episode_filter", "episode_tokens", "group_filter", "shaping", "token_view"]
 
 
 @dataclass
@@ -187,6 +187,11 @@ def token_view(batch: Batch, episode_indices: list[int]) -> TokenView:
     rows = torch.tensor([batch.token_rows[(int(e), int(c))] for e, c in zip(global_episode, forest.call_index)],
                         dtype=torch.int64)
     return TokenView(forest=forest, step_ids=rows, traj_ids=batch.step_traj[rows], episode_ids=global_episode)
+
+
+def episode_tokens(episode: EpisodeData) -> int:
+    """Tokens of an episode's own packed tree (its training nodes, shared prefixes once): what it adds to a row."""
+    return int(sum(len(n.tokens) for n in training_nodes(episode)))
 
 
 def action_tokens(episode: EpisodeData) -> int:

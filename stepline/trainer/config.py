@@ -128,6 +128,10 @@ class TrainerConfig(BaseModel):
     epochs: int = Field(1, ge=1, description="passes over each update's data")
     minibatches: int = Field(1, ge=1, description="optimizer steps per epoch; must divide groups_per_update")
     micro_batch_episodes: int = Field(8, ge=1, description="sessions per forward pass (gradient accumulation)")
+    micro_batch_tokens: int | None = Field(None, ge=1, description="at most this many tokens per forward pass (each "
+                                           "session's own tree; one larger than it goes alone); None: no bound")
+    gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in backward: "
+                                         "memory for long contexts (a tree mask's attention is L x L per layer)")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")

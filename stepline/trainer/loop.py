@@ -166,6 +166,8 @@ def build_policy(cfg: TrainerConfig) -> Policy:
                                                     attn_implementation=cfg.attn_implementation).to(device)
 
     model = select_trainable(load().train(), cfg)
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
     value_head = ValueHead(AutoConfig.from_pretrained(cfg.model_dir).hidden_size).to(device) if cfg.critic else None
     reference = load().eval().requires_grad_(False) if cfg.kl_coef > 0 and cfg.mode == "rl" else None
     param_groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.lr}]
@@ -232,6 +234,7 @@ def objective(cfg: TrainerConfig, update_index: int, offline: bool) -> Objective
         kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, value_coef=cfg.value_coef,
         value_clip=cfg.value_clip, critic_only=update_index < cfg.critic_warmup_updates and cfg.critic,
         epochs=cfg.epochs, minibatches=cfg.minibatches, micro_batch_episodes=cfg.micro_batch_episodes,
+        micro_batch_tokens=cfg.micro_batch_tokens,
         max_grad_norm=cfg.max_grad_norm, max_staleness=None if offline else cfg.max_staleness,
     )
 

@@ -44,7 +44,7 @@ from stepline.trainer.algorithms import (
     sapo_kl_term,
     value_targets,
 )
-from stepline.trainer.batch import Batch, TokenView, token_view
+from stepline.trainer.batch import Batch, TokenView, episode_tokens, token_view
 from stepline.trainer.distributed import SINGLE, Ranks
 from stepline.trainer.information_gain import REFERENCE_KEY, gold_probabilities
 from stepline.trainer.tree_forward import forest_forward
@@ -112,6 +112,7 @@ class Objective:
     epochs: int = 1
     minibatches: int = 1
     micro_batch_episodes: int = 8
+    micro_batch_tokens: int | None = None
     max_grad_norm: float = 1.0
     max_staleness: int | None = 4  # None: offline replay, no staleness mask
 
@@ -173,7 +174,7 @@ def _gold_probabilities(policy: Policy, batch: Batch) -> torch.Tensor:
 
 def _plan(batch: Batch, obj: Objective, ranks: Ranks = SINGLE) -> list[list[list[int]]]:
     """Episodes -> minibatches (whole groups each) -> this rank's share of the minibatch's groups ->
-    micro-batches of at most micro_batch_episodes (a rank may have none in a minibatch)."""
+    micro-batches of at most micro_batch_episodes and micro_batch_tokens (a rank may have none in a minibatch)."""
     groups: dict[int, list[int]] = defaultdict(list)
     for e, g in enumerate(batch.episode_group.tolist()):
         groups[g].append(e)
@@ -182,9 +183,24 @@ def _plan(batch: Batch, obj: Objective, ranks: Ranks = SINGLE) -> list[list[list
     plan = []
     for part in parts:
         episodes = [e for i in ranks.share(part.tolist()) for e in groups[keys[i]]]
-        plan.append([episodes[i : i + obj.micro_batch_episodes]
-                     for i in range(0, len(episodes), obj.micro_batch_episodes)])
+        sizes = [episode_tokens(batch.episodes[e]) for e in episodes]
+        plan.append(micro_batches(episodes, sizes, obj.micro_batch_episodes, obj.micro_batch_tokens))
     return plan
+
+
+def micro_batches(items: list[int], sizes: list[int], max_items: int, max_tokens: int | None) -> list[list[int]]:
+    """`items` in order, cut into runs of at most `max_items` whose `sizes` sum to at most `max_tokens`; an item
+    larger than `max_tokens` makes a run of its own."""
+    runs: list[list[int]] = []
+    total = 0
+    for item, size in zip(items, sizes):
+        if runs and len(runs[-1]) < max_items and (max_tokens is None or total + size <= max_tokens):
+            runs[-1].append(item)
+            total += size
+        else:
+            runs.append([item])
+            total = size
+    return runs
 
 
 @torch.no_grad()

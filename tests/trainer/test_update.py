@@ -15,7 +15,7 @@ from stepline.datapool.records import EpisodeData, Group
 from stepline.trainer.batch import build_batch, token_view
 from stepline.trainer.config import TrainerConfig
 from stepline.trainer.loop import build_policy, objective
-from stepline.trainer.update import Objective, update
+from stepline.trainer.update import Objective, micro_batches, update
 
 torch.set_num_threads(1)
 
@@ -49,17 +49,29 @@ def test_micro_batches_accumulate_exactly(tiny_model_dir: Path, tmp_path: Path) 
     # one optimizer step over 8 sessions: 8 micro-batches of 1 == 2 of 4 == 1 of 8. Plain SGD with
     # lr 1 makes the step equal to the (clipped) accumulated gradient; Adam's first step, ±lr·sign(g), would
     # turn float noise in near-zero gradients into full-size differences.
+    # A token bound cuts the same way (8 tokens: every session alone), and gradient checkpointing recomputes the
+    # activations without changing the gradient.
     steps = []
-    for micro in (1, 4, 8):
-        cfg, policy = policy_for(tiny_model_dir, tmp_path, micro_batch_episodes=micro)
+    for fields in ({"micro_batch_episodes": 1}, {"micro_batch_episodes": 4}, {"micro_batch_episodes": 8},
+                   {"micro_batch_episodes": 8, "micro_batch_tokens": 8},
+                   {"micro_batch_episodes": 4, "gradient_checkpointing": True}):
+        cfg, policy = policy_for(tiny_model_dir, tmp_path, **fields)
         before = flat(policy.model)
         policy.optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
         policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda _: 1.0)
         update(policy, build_batch(toy_groups()), objective(cfg, 0, False), version=0)
         steps.append(flat(policy.model) - before)
     assert steps[0].abs().max() > 1e-4  # the step did move the weights
-    torch.testing.assert_close(steps[0], steps[1], atol=1e-6, rtol=0)
-    torch.testing.assert_close(steps[0], steps[2], atol=1e-6, rtol=0)
+    for other in steps[1:]:
+        torch.testing.assert_close(steps[0], other, atol=1e-6, rtol=0)
+
+
+def test_micro_batches_respect_both_bounds() -> None:
+    items, sizes = [10, 11, 12, 13, 14], [3, 3, 9, 2, 2]
+    assert micro_batches(items, sizes, 8, None) == [[10, 11, 12, 13, 14]]
+    assert micro_batches(items, sizes, 2, None) == [[10, 11], [12, 13], [14]]
+    assert micro_batches(items, sizes, 8, 6) == [[10, 11], [12], [13, 14]]  # 9 > 6 goes alone
+    assert micro_batches(items, sizes, 1, 100) == [[10], [11], [12], [13], [14]]
 
 
 def test_minibatches_and_epochs_count_optimizer_steps(tiny_model_dir: Path, tmp_path: Path) -> None:
