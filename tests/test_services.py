@@ -30,10 +30,12 @@ def test_every_field_becomes_its_flag() -> None:
     assert engine == [*STEPLINE, "engine", "--model", "/m", "--port", "{port}", "--host", "{host}", "--dtype",
                       "bfloat16", "--prefix-cache-mb", "64.0", "--context-length", "512", "--threads", "2"]
     gateway = GatewaySpec(("http://a:1", "http://b:2"), Path("/m"), "postgresql://db", 8000, "vllm", host="0.0.0.0",
-                          spill=Path("/s/g.spill"), session_idle_timeout=60.0, context_length=512).to_argv()
+                          spill=Path("/s/g.spill"), session_idle_timeout=60.0, context_length=512,
+                          responses_truncated="completed").to_argv()
     assert gateway == [*STEPLINE, "gateway", "--engine", "http://a:1", "--engine", "http://b:2", "--engine-kind",
                        "vllm", "--model", "/m", "--pool", "postgresql://db", "--host", "0.0.0.0", "--port", "8000",
-                       "--spill", "/s/g.spill", "--session-idle-timeout", "60.0", "--context-length", "512"]
+                       "--spill", "/s/g.spill", "--session-idle-timeout", "60.0", "--context-length", "512",
+                       "--responses-truncated", "completed"]
 
 
 def test_the_commands_accept_what_the_specs_write(tmp_path: Path) -> None:
@@ -42,7 +44,7 @@ def test_the_commands_accept_what_the_specs_write(tmp_path: Path) -> None:
     model.mkdir()
     for spec in (EngineSpec(model, 1, "127.0.0.1", 512, "bfloat16", 64.0, 2), PoolSpec("sqlite:///p.db", 1, "127.0.0.1"),
                  GatewaySpec(("http://a:1",), model, "sqlite:///p.db", 1, "sglang", "127.0.0.1", tmp_path / "s", 5.0,
-                             512)):
+                             512, responses_truncated="completed")):
         argv = spec.to_argv()
         assert argv[:3] == STEPLINE
         result = CliRunner().invoke(main, [*argv[3:], "--help"])

@@ -162,6 +162,11 @@ def http_urls(ctx: click.Context, param: click.Parameter, urls: tuple[str, ...])
               help="Reasoning parser (SGLang/vLLM --reasoning-parser names); default: detected from the template.")
 @click.option("--eot-token", default=None,
               help="End-of-turn token; default: the special token the template writes after an assistant turn.")
+@click.option("--responses-truncated", type=click.Choice(["incomplete", "completed"]),
+              default=GatewaySettings.model_fields["responses_truncated"].default,
+              show_default=True, help="Responses API answers cut by max_output_tokens end as OpenAI's (status "
+              "incomplete, response.incomplete) or as completed (which the OpenAI Agents SDK accepts); "
+              "incomplete_details names max_output_tokens either way.")
 @click.option("--inject-tools", is_flag=True,
               help="For templates that cannot show tools: render them into the system message (and tool calls / "
               "results as text) in the tool parser's format. Without it such requests get 400.")

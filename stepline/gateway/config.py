@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 
@@ -64,6 +66,11 @@ class GatewaySettings(BaseModel):
                                 "then the engines end them (finish_reason abort, answered as cut short by length)")
     retry_after: float = Field(1.0, ge=0, description="Retry-After (s) on 503 answers of the gateway itself")
     public_url: str | None = Field(None, description="base URL handed to harnesses; None: from the request's Host")
+    responses_truncated: Literal["incomplete", "completed"] = Field(
+        "incomplete", description="Responses API answers cut by max_output_tokens: incomplete (OpenAI's status and "
+        "response.incomplete event) or completed (status completed and response.completed, which the OpenAI Agents "
+        "SDK accepts; incomplete_details still names max_output_tokens)"
+    )
     model_name: str = Field("stepline", description="the model id GET /v1/models lists and answers carry")
     tool_parser: str | None = Field(None, description="tool-call parser (stepline.gateway.parsers.TOOL_PARSERS); None: detected")
     reasoning_parser: str | None = Field(

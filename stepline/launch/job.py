@@ -136,6 +136,9 @@ class ServicesSection(_Section):
         _gateway_default("session_idle_timeout"), gt=0, description="the gateway's: open sessions without a call "
         "for this long end as abandoned, and at start the pool's open sessions created longer ago (those a killed "
         "launcher left behind)")
+    responses_truncated: Literal["incomplete", "completed"] = Field(
+        _gateway_default("responses_truncated"), description="the gateway's: Responses API answers cut by "
+        "max_output_tokens end as OpenAI's (incomplete) or as completed, which the OpenAI Agents SDK accepts")
     engine_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         _engine_default("dtype"), description="weights of the built-in engine; auto: bfloat16 where this CPU has "
         "bf16 units")

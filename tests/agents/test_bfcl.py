@@ -114,6 +114,23 @@ def test_bad_model_output_scores_zero_with_a_reason(task: str, turn: Turn, reaso
     assert code == 0 and why.startswith(f"BFCL {category_of(task)}: ") and reason in why
 
 
+def test_calls_that_raise_inside_bfcls_api_classes_score_zero(tmp_path: Path) -> None:
+    """Well-formed calls with wrong argument types or names raise inside the API class (GorillaFileSystem.cd
+    calls folder.rstrip): the model gets each error as the call's result, the episode goes on to its answer,
+    and BFCL's checker scores it 0 with a reason."""
+    raising = [({"folder": 5}, "'int' object has no attribute 'rstrip'"),
+               ({"folder": {"a": 1}}, "'dict' object has no attribute 'rstrip'"),
+               ({"folder": "document", "depth": 2}, "unexpected keyword argument 'depth'")]
+    code, why = _scripted("multi_turn_base_0", [_call("cd", json.dumps(a)) for a, _ in raising], tmp_path)
+    episode = json.loads((tmp_path / "episode.json").read_text())
+    assert code == 0 and episode["finish"] != "error"
+    results = [c["result"] for c in episode["calls"]]
+    assert [c["error"] for c in episode["calls"]] == [True] * 3
+    assert all(r.startswith("Error during execution: ") and raised in r for r, (_, raised) in zip(results, raising, strict=True))
+    assert [m["content"] for m in episode["messages"] if m["role"] == "tool"] == results  # what the model was shown
+    assert why.startswith("BFCL multi_turn_base: multi_turn:"), why
+
+
 def test_hostile_calls_never_reach_bfcls_eval(tmp_path: Path) -> None:
     """A name or an argument key that would inject code is answered with an error and not executed."""
     marker = tmp_path / "pwned"

@@ -1,4 +1,5 @@
-"""The served model's side of a call: its name, chat template, parsers and context budget.
+"""The served model's side of a call: its name, chat template, parsers, context budget and how a Responses
+answer cut by its token limit ends (GatewaySettings.responses_truncated).
 
     ChatCall                         a chat-style request, in the form the template and the engine take
     Prompting(settings, template, profile)
@@ -45,6 +46,7 @@ class ChatCall:
 class Prompting:
     def __init__(self, settings: GatewaySettings, template: ChatTemplate, profile: ModelProfile) -> None:
         self.model_name = settings.model_name
+        self.responses_truncated = settings.responses_truncated  # how a Responses answer cut by length ends
         self.template = template
         self.profile = profile
         self.context_length = settings.context_length or template.context_length

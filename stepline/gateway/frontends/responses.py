@@ -5,6 +5,11 @@ reasoning), `instructions`, function `tools`, `tool_choice` (auto, none, require
 `temperature`, `top_p`, `max_output_tokens`, `previous_response_id` (responses of the same session,
 kept in memory), `stream` (response.created … response.completed events). Reasoning comes back as a
 `reasoning` item whose `content` holds the text.
+
+An answer cut by `max_output_tokens` carries `incomplete_details: {"reason": "max_output_tokens"}`; its status
+and closing event are OpenAI's (`incomplete`, `response.incomplete`) unless the gateway runs with
+`responses_truncated = "completed"` (`completed`, `response.completed`: the OpenAI Agents SDK raises
+ModelBehaviorError on the former). Either way the pool records the call's finish_reason `length`.
 """
 
 from __future__ import annotations
@@ -191,10 +196,12 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
 
 
 class ResponsesEmitter:
-    def __init__(self, req: ResponsesRequest, model: str, session: Session, call: ChatCall) -> None:
+    def __init__(self, req: ResponsesRequest, model: str, session: Session, call: ChatCall,
+                 truncated: str = "incomplete") -> None:
         self.id = "resp_" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.req, self.model, self.session, self.call = req, model, session, call
+        self.truncated_status = truncated  # status of an answer cut by max_output_tokens (responses_truncated)
         self.ids = {"reasoning": "rs_" + uuid.uuid4().hex[:24], "message": "msg_" + uuid.uuid4().hex[:24]}
         self.seq = 0
         self.index = -1  # output index of the open item
@@ -220,7 +227,8 @@ class ResponsesEmitter:
                  "output_tokens": len(gen.output_ids), "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": len(prompt.ids) + len(gen.output_ids)}
         incomplete = {"reason": "max_output_tokens"} if gen.truncated else None
-        answer = self._base("incomplete" if incomplete else "completed", _items(choice.parsed, self.ids), usage, incomplete)
+        status = self.truncated_status if incomplete else "completed"
+        answer = self._base(status, _items(choice.parsed, self.ids), usage, incomplete)
         self._keep(assistant_message(choice.parsed))
         return answer
 
@@ -337,7 +345,8 @@ async def handle(edge: Edge, stages: Stages, request: web.Request) -> web.Stream
     session = edge.session_for(request)
     raw, req = await edge.parse(ResponsesRequest, request)
     call = to_call(req, session)
-    emitter = ResponsesEmitter(req, req.model or stages.prompting.model_name, session, call)
+    prompting = stages.prompting
+    emitter = ResponsesEmitter(req, req.model or prompting.model_name, session, call, prompting.responses_truncated)
     if call.stream:
         return await stages.stream(request, Exchange(session, call.api, raw), call, emitter)
     answer = await stages.run(Exchange(session, call.api, raw), call, emitter)

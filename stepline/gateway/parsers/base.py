@@ -126,13 +126,21 @@ def is_text_param(name: str, param: str, tools: ToolSpecs) -> bool:
     return kind in (None, "string") or (isinstance(kind, list) and "string" in kind)
 
 
+# Python's spelling of JSON's scalars: Qwen3-Coder's template writes a value that is not a mapping, a list or a
+# string through Jinja's `string` filter, so a boolean argument reads `True` in the model's own calls
+_PYTHON_SCALARS = {"True": True, "False": False, "None": None}
+
+
 def typed_value(raw: str, name: str, param: str, tools: ToolSpecs) -> Any:
     """An XML-style argument's value typed by the tool's schema: strings stay text, other declared types
-    (number, boolean, object, array) are read as JSON (kept as text when that fails)."""
+    (number, boolean, object, array) are read as JSON, or as Python's True / False / None (kept as text when
+    neither fits)."""
     if is_text_param(name, param, tools):
         return raw
     value = load_json(raw)
-    return raw if value is None and raw.strip() != "null" else value
+    if value is None and raw.strip() != "null":
+        return _PYTHON_SCALARS.get(raw.strip(), raw)
+    return value
 
 
 def json_calls(objects: list[Any], tools: ToolSpecs) -> list[ToolCall] | None:

@@ -8,7 +8,8 @@
     </function>
     </tool_call>
 
-Values are text; a parameter whose schema declares another type is read as JSON.
+Values are text; a parameter whose schema declares another type is read as JSON, or as Python's True / False /
+None (the template writes scalars through Jinja's `string` filter).
 """
 
 from __future__ import annotations
