@@ -44,16 +44,16 @@ def recorded_output(pool, session_id: str, call_index: int) -> list[int]:
     return np.concatenate([nodes[i].tokens for i in action]).tolist()
 
 
-def test_gateway_options() -> None:
+def test_gateway_options(tiny_model_dir: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(main, ["gateway", "--help"])
     assert result.exit_code == 0
     for option in ("--engine", "--engine-kind", "--model", "--pool", "--port", "--admin-token"):
         assert option in result.output
-    missing = runner.invoke(main, ["gateway", "--model", ".", "--pool", "sqlite:///:memory:"])
+    missing = runner.invoke(main, ["gateway", "--model", str(tiny_model_dir), "--pool", "sqlite:///:memory:"])
     assert missing.exit_code == 2 and "--engine" in missing.output
     bad_kind = runner.invoke(
-        main, ["gateway", "--engine", "http://x", "--engine-kind", "tgi", "--model", ".", "--pool", "p"]
+        main, ["gateway", "--engine", "http://x", "--engine-kind", "tgi", "--model", str(tiny_model_dir), "--pool", "p"]
     )
     assert bad_kind.exit_code == 2 and "tgi" in bad_kind.output
 
