@@ -23,7 +23,8 @@ from stepline.launch.up import up_command
 from stepline.launch.wiring import job_system, processes, up_system
 
 POOL = "postgresql://stepline@db/stepline"
-SETTINGS = {"context_length": 512, "session_idle_timeout": 60.0, "engine_dtype": "bfloat16", "prefix_cache_mb": 8.0}
+SETTINGS = {"context_length": 512, "session_idle_timeout": 60.0, "engine_dtype": "bfloat16", "prefix_cache_mb": 8.0,
+            "max_session_sequences": 8}
 
 
 def local_run_specs(cfg: JobConfig, run: RunDir, policy: Path, pool: str) -> list:
@@ -44,6 +45,7 @@ def test_up_run_and_ray_build_the_same_processes_for_the_same_settings(tmp_path:
     assert engine[engine.index("--context-length") + 1] == "512" and engine[engine.index("--dtype") + 1] == "bfloat16"
     assert gateway[gateway.index("--context-length") + 1] == "512"
     assert gateway[gateway.index("--session-idle-timeout") + 1] == "60.0"
+    assert gateway[gateway.index("--max-session-sequences") + 1] == "8"
     assert gateway[gateway.index("--engine") + 1] == "{url:engine}" and gateway[gateway.index("--pool") + 1] == POOL
     assert ran[1].needs() == ["engine"]
     assert "admin" not in " ".join(gateway) and ran[1].env == {"STEPLINE_ADMIN_TOKEN": "{admin_token}"}
@@ -103,7 +105,8 @@ def test_each_default_is_declared_once() -> None:
     that are fields of their settings show those defaults; and [services] takes the gateway's and engine's."""
     up = defaults(up_command)
     shared = {name: up[name] for name in ServicesSection.model_fields if name in up}
-    assert set(shared) == {"engine_url", "engine_kind", "context_length", "startup_timeout_s", "session_idle_timeout"}
+    assert set(shared) == {"engine_url", "engine_kind", "context_length", "startup_timeout_s", "session_idle_timeout",
+                           "max_session_sequences"}
     for name, value in shared.items():
         assert value == ServicesSection.model_fields[name].default, name
     assert up["port"] == GatewaySettings.model_fields["port"].default  # up's gateway listens where the gateway would
@@ -115,5 +118,6 @@ def test_each_default_is_declared_once() -> None:
             assert given[name] == fields[name].default, (command.name, name)
     svc = ServicesSection.model_fields
     assert svc["session_idle_timeout"].default == GatewaySettings.model_fields["session_idle_timeout"].default
+    assert svc["max_session_sequences"].default == GatewaySettings.model_fields["max_session_sequences"].default
     assert svc["prefix_cache_mb"].default == EngineOptions.model_fields["prefix_cache_mb"].default
     assert svc["engine_dtype"].default == EngineOptions.model_fields["dtype"].default

@@ -25,6 +25,7 @@ from aiohttp import web
 from stepline.gateway import reaper
 from stepline.gateway.admin import admin_routes
 from stepline.gateway.config import GatewaySettings
+from stepline.gateway.fairness import SequenceLimit
 from stepline.gateway.fleet import EngineRouter, WeightGate
 from stepline.gateway.forks import ForkLimits
 from stepline.gateway.frontends import chat, completions, messages, responses
@@ -75,7 +76,8 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
                          settings.max_live_sessions)
     metrics = GatewayMetrics(router, recorder, gate)  # this app's own registry
     edge, ledger = Edge(settings, store), Ledger(recorder, metrics)
-    stages = Stages(prompting, Dispatch(router, gate, recorder, settings.retry_after), ledger, edge.offload)
+    dispatch = Dispatch(router, gate, recorder, settings.retry_after, SequenceLimit(settings.max_session_sequences))
+    stages = Stages(prompting, dispatch, ledger, edge.offload)
     service = SessionService(store, recorder, router, settings.session_lease)
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=[error_boundary(metrics.observe_error, _flavour, _api)])

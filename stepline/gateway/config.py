@@ -22,6 +22,10 @@ class GatewaySettings(BaseModel):
     max_engine_requests: int = Field(
         256, ge=1, description="largest prompts x n of one call (each is one engine request)"
     )
+    max_session_sequences: int = Field(
+        64, ge=0, description="engine sequences (choices x prompts) one session may have running at once; its "
+        "further ones wait their turn, so one session's burst cannot crowd out the others (0: no limit)",
+    )
     session_idle_timeout: float = Field(
         24 * 3600.0, gt=0,
         description="open sessions with no call running and none started or ended for this long end as `abandoned`",

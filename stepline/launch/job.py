@@ -136,6 +136,9 @@ class ServicesSection(_Section):
         _gateway_default("session_idle_timeout"), gt=0, description="the gateway's: open sessions without a call "
         "for this long end as abandoned, and at start the pool's open sessions created longer ago (those a killed "
         "launcher left behind)")
+    max_session_sequences: int = Field(
+        _gateway_default("max_session_sequences"), ge=0, description="the gateway's: engine sequences (choices x "
+        "prompts) one session may have running at once; its further ones wait their turn (0: no limit)")
     engine_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         _engine_default("dtype"), description="weights of the built-in engine; auto: bfloat16 where this CPU has "
         "bf16 units")

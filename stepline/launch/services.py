@@ -90,6 +90,7 @@ class GatewaySpec:
     session_idle_timeout: float | None = None
     context_length: int | None = None
     session_lease: float | None = None
+    max_session_sequences: int | None = None
 
     def to_argv(self) -> list[str]:
         engines = [arg for url in self.engines for arg in ("--engine", url)]
@@ -97,7 +98,8 @@ class GatewaySpec:
                              "--pool", self.pool, *_option("--host", self.host), "--port", str(self.port),
                              *_option("--spill", self.spill), *_option("--session-idle-timeout", self.session_idle_timeout),
                              *_option("--context-length", self.context_length),
-                             *_option("--session-lease", self.session_lease))
+                             *_option("--session-lease", self.session_lease),
+                             *_option("--max-session-sequences", self.max_session_sequences))
 
 
 def fill(argv: list[str], values: Mapping[str, str]) -> list[str]:
