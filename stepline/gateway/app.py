@@ -43,6 +43,7 @@ from stepline.gateway.recorder import Recorder
 from stepline.gateway.session_service import SessionService
 from stepline.gateway.sessions import SessionStore
 from stepline.gateway.templating import ChatTemplate, load_template
+from stepline.gateway.tokenizing import TokenizerPool
 from stepline.gateway.tool_prompt import injector
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
     app[PROFILE_KEY] = prompting.profile
     app.cleanup_ctx.append(_reaping(service, reaper.Timeouts(settings.session_idle_timeout,
                                                               settings.fork_idle_timeout)))
+    app.on_cleanup.append(partial(_stop_preparing, edge, template))
 
     def model(handler: Handler) -> Handler:
         return model_route(handler, ledger, store)
@@ -108,7 +110,17 @@ def _model(settings: GatewaySettings, model_dir: Path) -> tuple[ChatTemplate, Pr
     log.info("model profile: %s", profile.describe())
     if settings.inject_tools and not profile.tools_supported:
         template = template.with_tool_injection(injector(profile.tool_parser))
+    if settings.prepare_workers and template.tokenizer_path is not None:
+        template = template.with_pool(TokenizerPool(template.tokenizer_path, settings.prepare_workers,
+                                                    settings.tokenize_process_chars))
     return template, Prompting(settings, template, profile)
+
+
+async def _stop_preparing(edge: Edge, template: ChatTemplate, app: web.Application) -> None:
+    """The large requests' worker threads and the tokenizer processes end with the app."""
+    edge.offload.close()
+    if template.pool is not None:
+        template.pool.close()
 
 
 def _reaping(service: SessionService, timeouts: reaper.Timeouts) -> Callable[[web.Application], AsyncIterator[None]]:
