@@ -30,7 +30,7 @@ __all__ = ["TokenizerPool", "encode_here", "trim_heap"]
 
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc
         return None
 
