@@ -17,6 +17,11 @@ aiohttp server costs for the same bytes.
    tokenizer processes) per turn-2 call, mean of `--turns` conversations; the passthrough's for the same bodies.
 3. RSS: of each proxy (the gateway with its tokenizer processes) before, right after and 3 s after `--burst`
    concurrent `--big-mb` MB requests.
+
+`--gil-probe` instead measures, in this process, what holds the GIL: the `tokenizers` binding's `encode` and
+`encode_batch` of a `--long-tokens` text on a thread while the main thread ticks every 1 ms (the longest gap
+between ticks is how long the thread held the GIL), building its ids (`Encoding.ids`), orjson and pydantic parsing
+a `--big-mb` MB chat body, and the Jinja chat template rendering it.
 """
 
 from __future__ import annotations
@@ -240,6 +245,62 @@ async def idle_cpu(target: Target) -> float:
     return (cpu_ns(target.proc.pid) - before) / 1e6
 
 
+# --- what holds the GIL ---
+
+def longest_gap(fn) -> float:  # type: ignore[no-untyped-def]
+    """ms: the longest the main thread, ticking every 1 ms, waited while `fn` ran on another thread."""
+    import threading
+
+    done, gaps = threading.Event(), [0.0]
+    worker = threading.Thread(target=lambda: (fn(), done.set()))
+    last = time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    worker.join()
+    return max(gaps) * 1e3
+
+
+def gil_probe(args: argparse.Namespace, model: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from stepline.gateway.frontends.chat import ChatRequest
+    from stepline.gateway.templating import load_template
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    text = text_of(tok, args.long_tokens, 1)
+    body = orjson.dumps({"model": "m", "messages": big_messages(args.big_mb, 3), "max_tokens": 1})
+    template = load_template(model)
+    [encoding] = tok.encode_batch([text], add_special_tokens=False)
+
+    def timed(fn) -> float:  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    messages = orjson.loads(body)["messages"]
+    rows = [
+        (f"encode, {len(encoding)} tokens", timed(lambda: tok.encode(text, add_special_tokens=False)),
+         longest_gap(lambda: tok.encode(text, add_special_tokens=False))),
+        ("encode_batch (one text)", timed(lambda: tok.encode_batch([text], add_special_tokens=False)),
+         longest_gap(lambda: tok.encode_batch([text], add_special_tokens=False))),
+        ("Encoding.ids (the Python list)", timed(lambda: encoding.ids), longest_gap(lambda: encoding.ids)),
+        (f"orjson.loads, {len(body) / 1e6:.1f} MB chat body", timed(lambda: orjson.loads(body)),
+         longest_gap(lambda: orjson.loads(body))),
+        ("pydantic ChatRequest.model_validate_json", timed(lambda: ChatRequest.model_validate_json(body)),
+         longest_gap(lambda: ChatRequest.model_validate_json(body))),
+        ("Jinja chat template, the same messages", timed(lambda: template.render(messages, None, True)),
+         longest_gap(lambda: template.render(messages, None, True))),
+    ]
+    print(f"\nwhat holds the GIL (model {model.name}, {os.cpu_count()} CPUs)\n")
+    print(f"{'':46}{'alone (ms)':>12}{'longest main-thread wait (ms)':>32}")
+    for name, alone, gap in rows:
+        print(f"{name:46}{alone:12.1f}{gap:32.1f}")
+
+
 # --- the run ---
 
 def start(args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, tuple[subprocess.Popen, str]]:
@@ -324,6 +385,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="large requests per stall measurement")
     parser.add_argument("--burst", type=int, default=4, help="concurrent large requests of the RSS measurement")
     parser.add_argument("--turns", type=int, default=8, help="conversations per per-turn CPU figure")
+    parser.add_argument("--gil-probe", action="store_true", help="measure what holds the GIL, in this process")
     parser.add_argument("--serve-sink", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--serve-passthrough", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", default=None, help=argparse.SUPPRESS)
@@ -340,6 +402,8 @@ def main() -> None:
             model = build_model(Path(tmp) / "qwen3-tiny", kind="qwen3-tiny", seed=0)
         except AssetUnavailable:
             model = build_model(Path(tmp) / "tiny", kind="tiny", seed=0)
+        if args.gil_probe:
+            return gil_probe(args, model)
         report(asyncio.run(run(args, model, Path(tmp))), args, model)
 
 

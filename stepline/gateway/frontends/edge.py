@@ -8,8 +8,8 @@ A large request (body over `offload_bytes`) is parsed, rendered and tokenized on
 free for everyone else only as far as that work lets go of the GIL. It does: the template's rendering is Python
 code (the interpreter switches threads every few ms), the int64 scan goes in 64 KiB slices, and long texts are
 tokenized in worker processes (stepline.gateway.tokenizing: the tokenizer would hold the GIL for seconds). What
-still holds it in one piece is the schema's parse of the body (pydantic-core: about 1 ms per MB).
-docs/results.md has the measured stalls.
+still holds it for several ms at a time, for bodies of several MB only: the schema's parse (pydantic-core, ~5 ms
+for 7.9 MB) and the template's string operations on huge messages (~11 ms). docs/results.md has the measurements.
 
 A model call marks its session as calling (`CALLING`, set by the route, stepline.gateway.frontends.routes)
 so that the idle-session reaper never ends a session with a call running.
