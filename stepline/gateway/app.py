@@ -25,6 +25,7 @@ from aiohttp import web
 from stepline.gateway import reaper
 from stepline.gateway.admin import admin_routes
 from stepline.gateway.config import GatewaySettings
+from stepline.gateway.fairness import SequenceLimit
 from stepline.gateway.fleet import EngineRouter, WeightGate
 from stepline.gateway.forks import ForkLimits
 from stepline.gateway.frontends import chat, completions, messages, responses
@@ -42,6 +43,7 @@ from stepline.gateway.recorder import Recorder
 from stepline.gateway.session_service import SessionService
 from stepline.gateway.sessions import SessionStore
 from stepline.gateway.templating import ChatTemplate, load_template
+from stepline.gateway.tokenizing import TokenizerPool
 from stepline.gateway.tool_prompt import injector
 
 log = logging.getLogger(__name__)
@@ -75,13 +77,15 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
                          settings.max_live_sessions)
     metrics = GatewayMetrics(router, recorder, gate)  # this app's own registry
     edge, ledger = Edge(settings, store), Ledger(recorder, metrics)
-    stages = Stages(prompting, Dispatch(router, gate, recorder, settings.retry_after), ledger, edge.offload)
+    dispatch = Dispatch(router, gate, recorder, settings.retry_after, SequenceLimit(settings.max_session_sequences))
+    stages = Stages(prompting, dispatch, ledger, edge.offload)
     service = SessionService(store, recorder, router, settings.session_lease)
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=[error_boundary(metrics.observe_error, _flavour, _api)])
     app[PROFILE_KEY] = prompting.profile
     app.cleanup_ctx.append(_reaping(service, reaper.Timeouts(settings.session_idle_timeout,
                                                               settings.fork_idle_timeout)))
+    app.on_cleanup.append(partial(_stop_preparing, edge, template))
 
     def model(handler: Handler) -> Handler:
         return model_route(handler, ledger, store)
@@ -106,7 +110,17 @@ def _model(settings: GatewaySettings, model_dir: Path) -> tuple[ChatTemplate, Pr
     log.info("model profile: %s", profile.describe())
     if settings.inject_tools and not profile.tools_supported:
         template = template.with_tool_injection(injector(profile.tool_parser))
+    if settings.prepare_workers and template.tokenizer_path is not None:
+        template = template.with_pool(TokenizerPool(template.tokenizer_path, settings.prepare_workers,
+                                                    settings.tokenize_process_chars))
     return template, Prompting(settings, template, profile)
+
+
+async def _stop_preparing(edge: Edge, template: ChatTemplate, app: web.Application) -> None:
+    """The large requests' worker threads and the tokenizer processes end with the app."""
+    edge.offload.close()
+    if template.pool is not None:
+        template.pool.close()
 
 
 def _reaping(service: SessionService, timeouts: reaper.Timeouts) -> Callable[[web.Application], AsyncIterator[None]]:

@@ -199,6 +199,14 @@ def http_urls(ctx: click.Context, param: click.Parameter, urls: tuple[str, ...])
               help="Forks one session may make (429 beyond).")
 @click.option("--max-forks-per-group", default=256, show_default=True, type=click.IntRange(min=0),
               help="Forks of one group open at once (429 beyond).")
+@click.option("--max-session-sequences", default=GatewaySettings.model_fields["max_session_sequences"].default,
+              show_default=True, type=click.IntRange(min=0),
+              help="Engine sequences (choices x prompts) one session may have running at once; its further ones "
+              "wait their turn, so one session's burst cannot crowd out the others (0: no limit).")
+@click.option("--prepare-workers", default=GatewaySettings.model_fields["prepare_workers"].default, show_default=True,
+              type=click.IntRange(min=0),
+              help="Large requests prepared at once (worker threads), and the processes that tokenize long texts "
+              "(0: one thread, long texts tokenized in the gateway's own process).")
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
 @click.option("--update-grace", default=5.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds in-flight calls may run on into a weight update before the engines end them.")

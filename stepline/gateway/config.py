@@ -18,11 +18,24 @@ class GatewaySettings(BaseModel):
         8 * 1024 * 1024, gt=0, description="largest request body accepted, counted after decompression (413 above)"
     )
     offload_bytes: int = Field(
-        256 * 1024, ge=0, description="bodies larger than this are parsed and rendered on a worker thread"
+        16 * 1024, ge=0, description="bodies larger than this are parsed, rendered and tokenized on a worker thread "
+        "(a request of a few thousand tokens takes a few ms: beyond, it would hold the event loop)"
+    )
+    tokenize_process_chars: int = Field(
+        64 * 1024, ge=0, description="texts of this many characters or more are tokenized in a worker process (the "
+        "tokenizer holds the GIL while it builds the ids, and with it the event loop)"
+    )
+    prepare_workers: int = Field(
+        2, ge=0, description="large requests prepared at once (worker threads), and the worker processes that "
+        "tokenize long texts (0: one thread, and long texts tokenized in the gateway's own process)"
     )
     max_prompts: int = Field(64, ge=1, description="largest Completions prompt batch accepted")
     max_engine_requests: int = Field(
         256, ge=1, description="largest prompts x n of one call (each is one engine request)"
+    )
+    max_session_sequences: int = Field(
+        64, ge=0, description="engine sequences (choices x prompts) one session may have running at once; its "
+        "further ones wait their turn, so one session's burst cannot crowd out the others (0: no limit)",
     )
     session_idle_timeout: float = Field(
         24 * 3600.0, gt=0,

@@ -296,11 +296,10 @@ class TokenState:
             return Prompt(node.array(), node.length, hashes[-1], node=node)
         for k in range(len(messages), 0, -1):
             if messages[k - 1].get("role") == "assistant" and (base := self._turns.get(hashes[k])) is not None:
-                new = self.template.encode(self.template.continuation(messages[k:], tools, options))
-                node = base.extend(np.asarray(new, dtype=np.int32))
+                node = base.extend(self.template.encode_ids(self.template.continuation(messages[k:], tools, options)))
                 return Prompt(node.array(), base.length, hashes[-1], node=node)
         text = self.template.render(messages, tools, add_generation_prompt=True, options=options)
-        node = _root(np.asarray(self.template.encode(text), dtype=np.int32))
+        node = _root(self.template.encode_ids(text))
         return Prompt(node.tail, 0, hashes[-1], node=node)
 
     def remember(self, prompt: Prompt, answer: Message, output_ids: np.ndarray) -> None:
@@ -324,7 +323,7 @@ class TokenState:
         for earlier, earlier_ids in reversed(self._texts.items()):
             if len(earlier) > len(best) and text.startswith(earlier) and earlier.endswith(self.template.eos_token):
                 best, base = earlier, earlier_ids
-        new = np.asarray(self.template.encode(text[len(best):]), dtype=np.int32)
+        new = self.template.encode_ids(text[len(best):])
         prompt = Prompt(np.concatenate([base, new]), len(base), 0, text)
         _put(self._texts, text, prompt.ids, self.max_entries)  # an exact retry reuses these ids
         return prompt
@@ -348,7 +347,7 @@ class TextMemory:
         for earlier, ids in reversed(self._paths.items()):
             if len(earlier) > len(best) and text.startswith(earlier):
                 best, base = earlier, ids
-        new = np.asarray(self.template.encode(text[len(best):]), dtype=np.int32) if text != best else _EMPTY
+        new = self.template.encode_ids(text[len(best):]) if text != best else _EMPTY
         return Prompt(np.concatenate([base, new]), len(base), 0, text)
 
     def remember(self, prompt: Prompt, output_ids: np.ndarray, output_text: str) -> None:

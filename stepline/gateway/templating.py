@@ -3,7 +3,8 @@
 The template is compiled the way Hugging Face `apply_chat_template` compiles it (sandboxed Jinja with
 `trim_blocks`, `lstrip_blocks`, `tojson`, `raise_exception`), without importing transformers, so the
 gateway renders exactly the text the model was trained on. Tokenization uses the `tokenizers` library
-directly (fast, no Python loop).
+directly (fast, no Python loop); `encode_ids` hands a long text to the tokenizer processes where the app
+has them (`with_pool`, stepline.gateway.tokenizing), so tokenizing it never holds the event loop.
 
 `ChatTemplate.continuation` renders only the messages a harness appended after an assistant turn: it
 renders them behind a fixed two-message stand-in history whose assistant turn carries a sentinel, and
@@ -33,8 +34,11 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from stepline.gateway.tokenizing import TokenizerPool, encode_here
 
 Message = dict[str, Any]
 
@@ -96,11 +100,19 @@ class ChatTemplate:
         self.bos_token = markers.bos_token
         self.template_eos = markers.eos_token if markers.template_eos is None else markers.template_eos
         self.inject: Callable[[list[Message], list[dict] | None], list[Message]] | None = None
+        self.tokenizer_path: str | None = None  # tokenizer.json (what the tokenizer processes load)
+        self.pool: TokenizerPool | None = None  # where long texts are tokenized (None: here)
 
     def with_tool_injection(self, inject: Callable[[list[Message], list[dict] | None], list[Message]]) -> ChatTemplate:
         """A copy whose renders pass the messages through `inject(messages, tools)` (and no tools)."""
         twin = copy.copy(self)
         twin.inject = inject
+        return twin
+
+    def with_pool(self, pool: TokenizerPool | None) -> ChatTemplate:
+        """A copy whose `encode_ids` hands long texts to `pool`."""
+        twin = copy.copy(self)
+        twin.pool = pool
         return twin
 
     @classmethod
@@ -126,7 +138,9 @@ class ChatTemplate:
         model_type = str(config.get("model_type") or config.get("text_config", {}).get("model_type", ""))
         probe = cls(source, tokenizer, Markers(eos, stop_ids, bos, eos), context, model_type)
         eot = eot_token or end_of_turn(probe) or eos
-        return cls(source, tokenizer, Markers(eot, stop_ids, bos, eos), context, model_type)
+        template = cls(source, tokenizer, Markers(eot, stop_ids, bos, eos), context, model_type)
+        template.tokenizer_path = str(model_dir / "tokenizer.json")
+        return template
 
     def render(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool,
                options: dict[str, Any] | None = None) -> str:
@@ -154,6 +168,13 @@ class ChatTemplate:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_ids(self, text: str) -> np.ndarray:
+        """int32 ids of `text`: a long one in a tokenizer process where this template has them (`with_pool`),
+        else here (a long one with the GIL released while it is tokenized)."""
+        if self.pool is not None and self.pool.wants(text):
+            return self.pool.encode(text)
+        return encode_here(self.tokenizer, text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

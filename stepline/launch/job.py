@@ -139,6 +139,9 @@ class ServicesSection(_Section):
     responses_truncated: Literal["incomplete", "completed"] = Field(
         _gateway_default("responses_truncated"), description="the gateway's: Responses API answers cut by "
         "max_output_tokens end as OpenAI's (incomplete) or as completed, which the OpenAI Agents SDK accepts")
+    max_session_sequences: int = Field(
+        _gateway_default("max_session_sequences"), ge=0, description="the gateway's: engine sequences (choices x "
+        "prompts) one session may have running at once; its further ones wait their turn (0: no limit)")
     engine_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         _engine_default("dtype"), description="weights of the built-in engine; auto: bfloat16 where this CPU has "
         "bf16 units")

@@ -91,6 +91,7 @@ class GatewaySpec:
     context_length: int | None = None
     session_lease: float | None = None
     responses_truncated: str | None = None  # None: the gateway's default
+    max_session_sequences: int | None = None
 
     def to_argv(self) -> list[str]:
         engines = [arg for url in self.engines for arg in ("--engine", url)]
@@ -99,7 +100,8 @@ class GatewaySpec:
                              *_option("--spill", self.spill), *_option("--session-idle-timeout", self.session_idle_timeout),
                              *_option("--context-length", self.context_length),
                              *_option("--session-lease", self.session_lease),
-                             *_option("--responses-truncated", self.responses_truncated))
+                             *_option("--responses-truncated", self.responses_truncated),
+                             *_option("--max-session-sequences", self.max_session_sequences))
 
 
 def fill(argv: list[str], values: Mapping[str, str]) -> list[str]:

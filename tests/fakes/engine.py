@@ -11,7 +11,8 @@ cut after the first stop token id / EOS (finish "stop", matched = that id, the i
 left out of the text), else cut at max_new_tokens (finish "length"). Logprobs default to
 -(k + 1) / 100 for the k-th output token, so a test can check which logprob went with which id.
 While paused (`/pause_generation`, vLLM's `/pause`), new generations wait for the resume, as in the
-engines; a pause in mode `abort` (the default of both) also ends the streams running then, after the
+engines (with `max_running`, at most that many sequences compute their `latency` at once and the rest queue, as in an
+engine's batch); a pause in mode `abort` (the default of both) also ends the streams running then, after the
 tokens sent so far, with finish reason "abort". `model_path` and `context_length` are what `/get_model_info`, `/get_server_info` and vLLM's
 `/v1/models` (`root`, `max_model_len`) report; with `model_path` set, a weight update checks the folder
 against it (`stepline.gateway.engines.checkpoint`) and refuses one that does not fit, keeping the old weights.
@@ -65,6 +66,8 @@ class FakeEngine:
     eos_id: int | None = None
     default_tokens: int = 8
     latency: float = 0.0  # seconds before the answer (or the first stream event)
+    max_running: int | None = None  # sequences computing their `latency` at once, the rest queue in order (an
+    # engine's batch slots: SGLang's --max-running-requests, vLLM's --max-num-seqs); None: unbounded
     token_delay: float = 0.0  # seconds between stream events
     incremental: bool = False  # SGLang --incremental-streaming-output (default: cumulative events)
     decode: Callable[[list[int]], str] = _default_decode
@@ -92,6 +95,7 @@ class FakeEngine:
         self._resumed.set()
         self._aborts = 0  # pauses in mode abort so far: a stream started before one ends early
         self._runner: web.AppRunner | None = None
+        self._batch = asyncio.Semaphore(self.max_running) if self.max_running else None
         self.url = ""
 
     # --- lifecycle ---
@@ -199,7 +203,11 @@ class FakeEngine:
             status = self.fail_next.pop(0)
             return body, web.json_response({"error": {"message": f"scripted failure {status}"}}, status=status)
         if self.latency:
-            await asyncio.sleep(self.latency)
+            if self._batch is None:
+                await asyncio.sleep(self.latency)
+            else:
+                async with self._batch:
+                    await asyncio.sleep(self.latency)
         await self._resumed.wait()
         return body, None
 
@@ -425,10 +433,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="output tokens per call")
     parser.add_argument("--eos", type=int, default=None, help="EOS id ending each default output")
     parser.add_argument("--api", default="sglang", choices=["sglang", "vllm"])
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds each sequence computes")
+    parser.add_argument("--max-running", type=int, default=None, help="sequences computing at once (the rest queue)")
     args = parser.parse_args()
 
     async def serve() -> None:
-        engine = FakeEngine(api=args.api, default_tokens=args.tokens, eos_id=args.eos, keep_requests=False)
+        engine = FakeEngine(api=args.api, default_tokens=args.tokens, eos_id=args.eos, keep_requests=False,
+                            latency=args.latency, max_running=args.max_running)
         url = await engine.start(args.host, args.port)
         print(f"fake engine on {url}", flush=True)
         await asyncio.Event().wait()

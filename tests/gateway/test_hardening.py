@@ -10,6 +10,7 @@ import gzip
 import json  # writes integers of any size (orjson refuses those beyond 64 bits)
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -20,7 +21,8 @@ import pytest
 from gateway_helpers import ServedInThread, fake_engine, serve, tokenizer
 
 from stepline.gateway.frontends import stages as flow
-from stepline.gateway.frontends.edge import int64_violation
+from stepline.gateway.frontends.edge import check_int64, int64_violation
+from stepline.gateway.frontends.errors import ApiError
 from stepline.gateway.frontends.prompting import choice_seed
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -75,6 +77,38 @@ def test_a_large_body_is_rendered_off_the_event_loop(gw: ServedInThread, session
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert threads[0] is gw.thread  # small: on the loop, as before
     assert threads[1] is not gw.thread  # large: on a worker thread; the loop keeps serving others
+
+
+@pytest.mark.slow
+def test_a_long_prompt_being_tokenized_leaves_the_event_loop_free(gw: ServedInThread, session: dict) -> None:
+    # a 7.9 MB body stalled /health 6.4-8.2 s: the tokenizer held the GIL on the worker thread (about 10 s here)
+    words = " ".join(f"w{i % 997} said {i % 13}," for i in range(200_000))  # 2.9 MB, about 1.2M tokens
+    big = {**CHAT, "messages": [{"role": "user", "content": words}]}
+    answer: list[httpx.Response] = []
+    url = f"{gw.served.url}/s/{session['session_id']}/v1/chat/completions"
+
+    def call() -> None:  # its own client: tokenizing 1.2M tokens takes 5-30 s, longer than the module's timeout
+        with httpx.Client(timeout=600, headers={"Authorization": f"Bearer {session['api_key']}"}) as client:
+            answer.append(client.post(url, json=big))
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    slowest = 0.0
+    while worker.is_alive():
+        start = time.perf_counter()
+        assert gw.client.get(f"{gw.served.url}/health").status_code == 200
+        slowest = max(slowest, time.perf_counter() - start)
+        time.sleep(0.02)
+    worker.join()
+    assert answer[0].json()["error"]["code"] == "context_length_exceeded"  # tokenized in full, then refused
+    assert slowest < 1.0  # a bound far above the few ms it takes, far below the seconds it took
+
+
+def test_a_long_number_across_the_int64_scans_slices_is_still_found() -> None:
+    raw = b'{"a": "' + b" " * (64 * 1024 - 12) + b'", "b": 123456789012345678901}'
+    with pytest.raises(ApiError) as err:
+        check_int64(raw)
+    assert err.value.param == "b"
 
 
 def test_completions_prompt_batches_and_n_are_capped(gw: ServedInThread, session: dict) -> None:

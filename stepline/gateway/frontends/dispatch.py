@@ -1,6 +1,6 @@
 """Dispatch: one model call to the engine, whole or streamed, and the engine's failures as API errors.
 
-    Dispatch(router, gate, recorder, retry_after)
+    Dispatch(router, gate, recorder, retry_after, limit)
         generate(ex)     -> one Generation per choice (n engine requests, concurrently)
         open_stream(ex)  -> EngineStream: (choice, delta) as the engine produces them; n streams merged
         engine_error(exc, engine) -> ApiError (an unreachable engine is routed around)
@@ -8,7 +8,8 @@
 The weight gate (stepline.gateway.fleet) stamps each call with the version that serves it; the router picks
 the session's engine. A fork before its branch point is answered from the source's recorded calls instead
 (stepline.gateway.forks). With the record queue full, a call is refused with a ready-made 503 before it
-reaches the engine.
+reaches the engine. Each engine request (one choice) takes one of its session's sequence slots first
+(stepline.gateway.fairness): a session's sequences beyond the limit wait their turn.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from stepline.gateway.engines import EngineError, EngineUnavailable, Generation, StreamDelta
+from stepline.gateway.engines import EngineError, EngineUnavailable, Generation, SamplingParams, StreamDelta
+from stepline.gateway.fairness import SequenceLimit
 from stepline.gateway.fleet import EngineRouter, Paused, WeightGate
 from stepline.gateway.forks import Replayed
 from stepline.gateway.frontends.errors import ApiError
@@ -37,8 +39,10 @@ log = logging.getLogger(__name__)
 class Dispatch:
     """The engine side of a call: admission by the weight gate, the session's engine, engine errors."""
 
-    def __init__(self, router: EngineRouter, gate: WeightGate, recorder: Recorder, retry_after: float) -> None:
+    def __init__(self, router: EngineRouter, gate: WeightGate, recorder: Recorder, retry_after: float,
+                 limit: SequenceLimit | None = None) -> None:
         self.router = router
+        self.limit = limit or SequenceLimit(0)  # a session's engine sequences running at once
         self.gate = gate
         self.recorder = recorder  # asked only whether its queue has room
         self.retry_after = retry_after
@@ -58,10 +62,16 @@ class Dispatch:
         ex.timings["dispatched"] = now()
         try:
             async with self.gate.admit() as ex.version:
-                engine = self.router.for_session(ex.session.info.session_id)
+                sid = ex.session.info.session_id
+                engine = self.router.for_session(sid)
+
+                async def one(sampling: SamplingParams) -> Generation:
+                    async with self.limit.slot(sid):
+                        return await engine.generate(ids, sampling)
+
                 if len(samplings) == 1:
-                    return [await engine.generate(ids, samplings[0])]
-                return list(await asyncio.gather(*(engine.generate(ids, s) for s in samplings)))
+                    return [await one(samplings[0])]
+                return list(await asyncio.gather(*(one(s) for s in samplings)))
         except (EngineError, Paused) as exc:
             raise self.engine_error(exc, engine) from None
         finally:
@@ -84,8 +94,9 @@ class Dispatch:
         except Paused as exc:
             raise self.engine_error(exc, None) from None
         try:
-            engine = self.router.for_session(ex.session.info.session_id)
-            streams = [engine.stream(ids, s) for s in ex.samplings]
+            sid = ex.session.info.session_id
+            engine = self.router.for_session(sid)
+            streams = [_in_slot(self.limit, sid, engine.stream(ids, s)) for s in ex.samplings]
             merged = _indexed(streams[0]) if len(streams) == 1 else _merge(streams)
             first = await anext(merged, None)
             if first is None:
@@ -162,6 +173,17 @@ class EngineStream:
             await _aclose(self._rest)
         finally:
             await self._admit.__aexit__(None, None, None)
+
+
+async def _in_slot(limit: SequenceLimit, session_id: str,
+                   stream: AsyncIterator[StreamDelta]) -> AsyncIterator[StreamDelta]:
+    """`stream` once a sequence slot of the session is free, holding the slot until it ends."""
+    async with limit.slot(session_id):
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            await _aclose(stream)
 
 
 async def _indexed(stream: AsyncIterator[StreamDelta]) -> AsyncIterator[tuple[int, StreamDelta]]:

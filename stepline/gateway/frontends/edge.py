@@ -1,8 +1,15 @@
 """The request edge: who is calling (session attribution), and the body read and validated once.
 
     Edge(settings, sessions)   session_for(request), read_json(request), parse(Model, request), offload, limits
-    Offload(limit)             fn(*args) on a worker thread when the request it works on is large
+    Offload(limit, workers)    fn(*args) on one of `workers` threads when the request it works on is large
     check_int64(raw)           400 naming the field of an integer beyond 64 bits
+
+A large request (body over `offload_bytes`) is parsed, rendered and tokenized on a worker thread; the loop stays
+free for everyone else only as far as that work lets go of the GIL. It does: the template's rendering is Python
+code (the interpreter switches threads every few ms), the int64 scan goes in 64 KiB slices, and long texts are
+tokenized in worker processes (stepline.gateway.tokenizing: the tokenizer would hold the GIL for seconds). What
+still holds it for several ms at a time, for bodies of several MB only: the schema's parse (pydantic-core, ~5 ms
+for 7.9 MB) and the template's string operations on huge messages (~11 ms). docs/results.md has the measurements.
 
 A model call marks its session as calling (`CALLING`, set by the route, stepline.gateway.frontends.routes)
 so that the idle-session reaper never ends a session with a call running.
@@ -14,6 +21,7 @@ import asyncio
 import contextvars
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,6 +33,7 @@ from pydantic_core import from_json
 from stepline.gateway.config import GatewaySettings
 from stepline.gateway.frontends.errors import ApiError, from_validation, invalid
 from stepline.gateway.sessions import Session, SessionStore, bearer_key, is_admin_key
+from stepline.gateway.tokenizing import trim_heap
 
 __all__ = ["CALLING", "Edge", "Limits", "Offload", "check_int64", "int64_violation"]
 
@@ -35,6 +44,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # the sessions whose calls the request being handled is making (set by the model route; the reaper skips them)
 CALLING: contextvars.ContextVar[list[Session] | None] = contextvars.ContextVar("calling", default=None)
 _LONG_NUMBER = re.compile(rb"\d{19}")  # every integer outside the 64-bit range has at least 19 digits
+_SLICE = 64 * 1024
 
 
 def int64_violation(value: Any, path: str = "") -> str | None:
@@ -59,7 +69,9 @@ def int64_violation(value: Any, path: str = "") -> str | None:
 
 def check_int64(raw: bytes) -> None:
     """400 naming the field when the JSON body holds an integer beyond 64 bits (cheap scan first)."""
-    if not _LONG_NUMBER.search(raw):
+    # in slices overlapping by 18 bytes: the regex holds the GIL while it runs (about 9 ms per MB), and other
+    # threads (the event loop) get it back between slices
+    if not any(_LONG_NUMBER.search(raw, at, at + _SLICE + 18) for at in range(0, len(raw), _SLICE)):
         return
     try:
         data = from_json(raw)
@@ -71,16 +83,31 @@ def check_int64(raw: bytes) -> None:
 
 
 class Offload:
-    """fn(*args), on a worker thread when the request it works on is larger than `limit` bytes, so one
-    large request never stalls the event loop (and with it every other session's calls)."""
+    """fn(*args), on one of `workers` threads when the request it works on is larger than `limit` bytes (more
+    large requests wait their turn), so that one large request does not hold the event loop (and with it
+    every other session's calls) while it is prepared: as far as its work lets go of the GIL (the module
+    docstring). The heap such a request used is handed back to the system after it (glibc's malloc_trim:
+    freed memory otherwise stays with the process)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, workers: int = 2) -> None:
         self.limit = limit
+        self._threads = ThreadPoolExecutor(max(workers, 1), thread_name_prefix="stepline-prepare")
 
     async def __call__(self, size: int, fn: Callable[..., R], *args: Any) -> R:
-        if size > self.limit:
-            return await asyncio.to_thread(fn, *args)
-        return fn(*args)
+        if size <= self.limit:
+            return fn(*args)
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._threads, _trimmed, context, fn, args)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _trimmed(context: contextvars.Context, fn: Callable[..., R], args: tuple) -> R:
+    try:
+        return context.run(fn, *args)
+    finally:
+        trim_heap()
 
 
 @dataclass(frozen=True)
@@ -100,7 +127,7 @@ class Edge:
         self.limits = Limits(settings.max_n, settings.max_prompts, settings.max_engine_requests)
         self.admin_token = settings.admin_token
         self.read_timeout = settings.read_timeout
-        self.offload = Offload(settings.offload_bytes)
+        self.offload = Offload(settings.offload_bytes, settings.prepare_workers)
 
     def session_for(self, request: web.Request) -> Session:
         """The calling session: by session key, or by URL / X-Session-Id together with that session's

@@ -296,7 +296,7 @@ async def count_tokens(edge: Edge, template: ChatTemplate, request: web.Request)
             text = template.render(call.messages, call.tools, add_generation_prompt=True)
         except TemplateError as exc:
             raise invalid(str(exc), param="messages") from None
-        return len(template.encode(text))
+        return len(template.encode_ids(text))
 
     return web.Response(body=orjson.dumps({"input_tokens": await edge.offload(len(raw), count)}),
                         content_type="application/json")
