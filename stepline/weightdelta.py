@@ -5,6 +5,7 @@
     write_delta(out, tensors, checksum(table), anchor, anchor_version)
     delta = read_manifest(folder)                  # None for an ordinary (full) checkpoint folder
     folder_digests(folder)                         # the table of a full checkpoint folder, from its files
+    materialize(folder, out)                       # a full checkpoint folder of the weights a delta stands for
 
 A delta folder holds `delta.safetensors` (the changed tensors under plain Hugging Face names, in the trainer's
 dtype) and `delta.json` {"format", "checksum", "anchor", "anchor_version", "tensors"}.
@@ -36,8 +37,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DELTA_FILE", "MANIFEST", "Delta", "checksum", "digest", "digests", "folder_digests", "read_manifest",
-           "unique_tensors", "write_delta"]
+__all__ = ["DELTA_FILE", "MANIFEST", "Delta", "checksum", "digest", "digests", "folder_digests", "materialize",
+           "read_manifest", "unique_tensors", "write_delta"]
 
 FORMAT = "stepline-delta/1"
 MANIFEST = "delta.json"
@@ -62,14 +63,14 @@ def digest(name: str, tensor: torch.Tensor) -> bytes:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{tuple(tensor.shape)}|".encode())
-    h.update(memoryview(flat.view(torch.uint8).numpy()))
+    h.update(flat.view(torch.uint8).numpy().data)  # the bytes, not a copy
     return h.digest()
 
 
 def unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` with each storage once, under its first name: a tied LM head is the embedding, and
     save_pretrained writes it once (model.embed_tokens.weight, not lm_head.weight)."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, object]] = set()
     out = {}
     for name, tensor in state.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset()) if tensor.numel() else (id(tensor), 0)
@@ -135,3 +136,25 @@ def read_manifest(folder: Path | str) -> Delta | None:
                      tuple(str(n) for n in data["tensors"]))
     except (OSError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"delta manifest {path} is damaged: {exc}") from exc
+
+
+def materialize(folder: Path | str, out: Path | str) -> Path:
+    """A full checkpoint folder at `out` of the weights the delta in `folder` stands for (its anchor's files, the
+    delta's tensors written over), checked against the delta's checksum; `folder` itself when it is no delta."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    delta = read_manifest(folder)
+    if delta is None:
+        return Path(folder)
+    anchor, out = Path(delta.anchor), Path(out)
+    shutil.copytree(anchor, out, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    tensors = {}
+    for file in sorted(anchor.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    tensors.update(load_file(str(Path(folder) / DELTA_FILE)))
+    if checksum({name: digest(name, t) for name, t in tensors.items()}) != delta.checksum:
+        raise ValueError(f"{folder} over its anchor {anchor} does not give the state it was pushed as")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -54,7 +54,10 @@ class WeightSyncError(Exception):
 
 
 class WeightSync(Protocol):
-    deltas: bool  # the receiving side loads delta folders (stepline.weightdelta), not only full checkpoints
+    @property
+    def deltas(self) -> bool:
+        """The receiving side loads delta folders (stepline.weightdelta), not only full checkpoints."""
+        ...
 
     def push(self, path: Path, version: int) -> None: ...
     def close(self) -> None: ...

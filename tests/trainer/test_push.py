@@ -155,3 +155,38 @@ def test_without_deltas_every_push_is_a_full_folder(tiny_model_dir: Path, tmp_pa
     stats = pusher.push(model, 1, RecordingWeightSync(deltas=deltas))
     assert stats.kind == ("delta" if deltas else "full")
     assert (tmp_path / "w" / "v000001" / ("delta.json" if deltas else "config.json")).is_file()
+
+
+def test_a_delta_made_whole_is_the_pushed_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from stepline.weightdelta import materialize
+
+    model = top_layer_model(tiny_model_dir)
+    pusher = WeightPusher(tmp_path / "w", tiny_model_dir)
+    pusher.anchor_on(model, tiny_model_dir)
+    train_step(model, 1)
+    pusher.push(model, 1, RecordingWeightSync(deltas=True))
+    whole = AutoModelForCausalLM.from_pretrained(materialize(tmp_path / "w" / "v000001", tmp_path / "whole"))
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), model.state_dict().values()))
+
+
+async def test_an_engine_lacking_the_base_of_a_delta_is_given_its_anchor_first(tiny_model_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """The gateway's catch-up of an engine that restarted on the model folder after a full push (fleet.load_into)."""
+    import aiohttp
+
+    from stepline.gateway.engines import make_engine
+    from stepline.gateway.fleet import load_into
+
+    model = top_layer_model(tiny_model_dir)
+    pusher = WeightPusher(tmp_path / "w", tiny_model_dir, keep=5)  # no anchor yet: the first push is full
+    train_step(model, 1)
+    assert pusher.push(model, 1, RecordingWeightSync(deltas=True)).kind == "full"
+    train_step(model, 2)
+    assert pusher.push(model, 2, RecordingWeightSync(deltas=True)).kind == "delta"
+    with running_engine(tiny_model_dir) as url:
+        async with aiohttp.ClientSession() as http:
+            await load_into(make_engine(url, "builtin", http, 60), str(tmp_path / "w" / "v000002"), 2)
+        after = await asyncio.to_thread(served, url)
+        version = httpx.get(f"{url}/get_weight_version").json()["weight_version"]
+    assert version == "2"
+    assert after == await asyncio.to_thread(fresh, model, tiny_model_dir, tmp_path / "fresh")
