@@ -10,7 +10,8 @@ and the final norm; the frozen embedding (the largest tensor of a small model) n
 carries the full state's checksum; an engine that would not reach it refuses, and the push is made in full
 (save_weights), which becomes the new anchor. So the full push is the fallback: the engines started on other
 weights, one restarted after a full push, or the gateway's engines take no deltas (`sync.deltas` False:
-offline training and SFT write full folders, which are their output).
+offline training and SFT write full folders, which are their output; two refusals in a row, the second right
+after a full push, mean engines that load no deltas, SGLang: every later push is full).
 
 Digests are computed incrementally: a frozen parameter's digest once, the trainable tensors' at each push
 (for SmolLM2 with the top 10 of 30 layers trained, a third of the layers' bytes).
@@ -55,6 +56,7 @@ class WeightPusher:
         self.anchor: _Anchor | None = None
         self._touched: set[str] = set()  # tensors that differed from the anchor at some push since it
         self._frozen: dict[str, bytes] = {}  # digests of frozen parameters: they never change
+        self._refused = 0  # deltas refused in a row
 
     def anchor_on(self, model: nn.Module, folder: Path, version: int = 0) -> None:
         """The engines serve `model`'s current weights, from `folder`, as `version` (at start: the model folder)."""
@@ -72,6 +74,7 @@ class WeightPusher:
             written = _size(path)
             try:
                 sync.push(path, version)
+                self._refused = 0
                 prune_weights(self.root, self.keep, self.anchor.folder)
                 return PushStats("delta", written, time.perf_counter() - started)
             except WeightSyncError as exc:
@@ -79,6 +82,10 @@ class WeightPusher:
                     raise
                 log.warning("the engines refused the delta for v%d (%s): pushing the full weights", version, exc)
                 kind = "full-after-refusal"
+                self._refused += 1
+                if self._refused >= 2:  # refused right after a full push: these engines take no deltas (SGLang)
+                    log.warning("the engines refused two deltas in a row: every push is full from now on")
+                    self.deltas = False
         path = save_weights(model, self.root, version, self.source_dir, keep=self.keep)
         sync.push(path, version)
         if self.deltas:

@@ -190,3 +190,22 @@ async def test_an_engine_lacking_the_base_of_a_delta_is_given_its_anchor_first(t
         version = httpx.get(f"{url}/get_weight_version").json()["weight_version"]
     assert version == "2"
     assert after == await asyncio.to_thread(fresh, model, tiny_model_dir, tmp_path / "fresh")
+
+
+def test_engines_that_take_no_deltas_get_full_pushes_after_two_refusals(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from stepline.trainer.weight_sync import WeightSyncError
+
+    class NoDeltas(RecordingWeightSync):
+        def push(self, path: Path, version: int) -> None:
+            if (Path(path) / MANIFEST).is_file():
+                raise WeightSyncError("400 SGLang loads whole checkpoints", 400)
+            super().push(path, version)
+
+    model = top_layer_model(tiny_model_dir)
+    pusher = WeightPusher(tmp_path / "w", tiny_model_dir)
+    pusher.anchor_on(model, tiny_model_dir)
+    kinds = []
+    for version in (1, 2, 3):
+        train_step(model, version)
+        kinds.append(pusher.push(model, version, NoDeltas(deltas=True)).kind)
+    assert kinds == ["full-after-refusal", "full-after-refusal", "full"]
