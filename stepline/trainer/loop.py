@@ -135,7 +135,7 @@ def _train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool,
             state.update, state.version = state.update + 1, state.version + 1
             if state.update % cfg.push_every == 0:
                 pushed = pusher.push(policy.model, state.version, sync)
-                metrics |= {"push_bytes": pushed.bytes, "push_seconds": pushed.seconds, "push_full": pushed.kind != "delta"}
+                metrics |= {"push_bytes": pushed.bytes, "push_seconds": pushed.seconds, "push_full": float(pushed.kind != "delta")}
             if state.update % cfg.checkpoint_every == 0:
                 checkpoint(cfg, policy, state, claims)
             log.write(state.update, metrics)
