@@ -5,6 +5,8 @@ One vLLM starts on a tied tiny model (seed 0) with the extension; it is pushed a
 model (seed 1), then a delta on top of it that changes the embedding (so the tied LM head) and the top layer;
 a delta with a wrong checksum is refused. A second, fresh vLLM started on the full checkpoint of the final
 weights must serve the same greedy ids and logprobs; transformers' forward on them is the oracle of both.
+The same for SmolLM2-135M (the cached build; tied, 30 layers): a delta of its top 10 layers and its embedding, pushed
+to the vLLM serving it, serves what a fresh vLLM on the full checkpoint serves.
 Starting vLLM twice takes minutes on 2 busy cores: marked slow, skipped without `STEPLINE_VLLM_PYTHON`.
 """
 
@@ -36,15 +38,15 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @torch.no_grad()
-def trained(model_dir: Path) -> torch.nn.Module:
-    """The seed-1 model after a step that moved its top layer and its (tied) embedding."""
+def trained(model_dir: Path, top: int = 1, scale: float = 0.3) -> torch.nn.Module:
+    """The model after a step that moved its top layers and its (tied) embedding."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    freeze_below_top(model, 1)
+    freeze_below_top(model, top)
     model.model.embed_tokens.weight.requires_grad_(True)
     gen = torch.Generator().manual_seed(3)
     for p in model.parameters():
         if p.requires_grad:
-            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.abs().mean())
     return model
 
 
@@ -97,3 +99,24 @@ async def test_a_tied_model_serves_exactly_the_pushed_weights(tmp_path: Path) ->
         assert logprobs == pytest.approx(chosen, abs=1e-4)
         assert [c >= b - 1e-4 for c, b in zip(chosen, best)] == [True] * len(chosen)
     assert after_full[0] != after_delta[0]
+
+
+async def test_smollm2_serves_exactly_the_pushed_delta(tmp_path: Path) -> None:
+    from stepline.pretrained import cached_build
+
+    start = cached_build()
+    model = trained(start, top=10, scale=0.05)
+    pusher = WeightPusher(tmp_path / "weights", start)
+    pusher.anchor_on(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32), start)
+    stats = pusher.push(model, 1, RecordingWeightSync(deltas=True))
+    final = save_weights(model, tmp_path / "full", 1, start)
+    with running_vllm(start, tmp_path) as url:
+        before = await greedy(url, start)
+        await push(url, start, tmp_path / "weights" / "v000001", 1)
+        after = await greedy(url, start)
+    with running_vllm(final, tmp_path) as url:
+        fresh = await greedy(url, final)
+    assert stats.kind == "delta" and stats.bytes < (final / "model.safetensors").stat().st_size / 2
+    assert after[0] == fresh[0]
+    assert after[1] == pytest.approx(fresh[1], abs=1e-5)
+    assert after[1] != pytest.approx(before[1], abs=1e-3)  # the push changed what vLLM serves
