@@ -68,8 +68,8 @@ class WeightPusher:
         state = unique_tensors(_state(model))
         written = 0
         kind = "full"
-        if self.deltas and self.anchor is not None:
-            table = self._table(model, state)
+        table = self._table(model, state) if self.deltas else None
+        if table is not None and self.anchor is not None:
             path = self._write_delta(state, table, version)
             written = _size(path)
             try:
@@ -88,8 +88,8 @@ class WeightPusher:
                     self.deltas = False
         path = save_weights(model, self.root, version, self.source_dir, keep=self.keep)
         sync.push(path, version)
-        if self.deltas:
-            self.anchor, self._touched = _Anchor(path, version, self._table(model, state)), set()
+        if self.deltas and table is not None:
+            self.anchor, self._touched = _Anchor(path, version, table), set()
         return PushStats(kind, written + _size(path), time.perf_counter() - started)
 
     def _table(self, model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, bytes]:
