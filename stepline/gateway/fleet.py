@@ -25,7 +25,9 @@ the weight gate loads the weights the gateway serves now into it, so every call 
    is served and cut short in the next round, once a second, until no call is in flight;
 4. asks every engine in rotation to pause, load the checkpoint and resume, then bumps the version and
    reopens. An engine that is down misses the update; when it answers again, the router hands it to
-   `resync` first, which loads the current checkpoint into it (unless it already serves that version).
+   `resync` first, which loads the current checkpoint into it (unless it already serves that version). The
+   checkpoint may be a delta (stepline.weightdelta: only the tensors changed since its anchor); an engine that
+   lacks its base is given the anchor first (`load_into`).
 So a long stream delays an update by `grace` s at most, and never fails a call that arrives during it.
 If any engine fails to load, the engines that did load it are moved back to the previous checkpoint
 (when it is known), the old version keeps serving, and the error is raised to the caller.
