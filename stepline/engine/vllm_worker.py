@@ -82,8 +82,9 @@ class SteplineWorker:
             quiet.setLevel(level)
         model = runner.get_model()
         head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-        if head is not None and embed is not None and head.weight is embed.weight:
-            head.quant_method.process_weights_after_loading(head)  # the tied head's kernel, from the new embedding
+        quant = getattr(head, "quant_method", None)
+        if quant is not None and embed is not None and head.weight is embed.weight:
+            quant.process_weights_after_loading(head)  # the tied head's kernel, from the new embedding
 
 
 def _read(files: list[Path]) -> dict[str, Any]:
