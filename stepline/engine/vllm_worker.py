@@ -83,7 +83,7 @@ class SteplineWorker:
         model = runner.get_model()
         head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
         quant = getattr(head, "quant_method", None)
-        if quant is not None and embed is not None and head.weight is embed.weight:
+        if quant is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
             quant.process_weights_after_loading(head)  # the tied head's kernel, from the new embedding
 
 
