@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,19 @@ def summarise(root: Path, asked_updates: int | None = None, time_bound: str | No
         "rl_episodes_failed": sum(r["status"] == "failed" for r in rollouts),
         "weight_version": last.get("weight_version") if last else None,
         "warnings": rl_warnings(len(metrics), asked_updates, rollouts, time_bound),
+        "weight_pushes": push_stats(metrics),
     }
+
+
+def push_stats(metrics: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The trainer's weight pushes (stepline/trainer/push.py): how many, how many in full, and the median MiB
+    written and seconds per push (writing and loading); None when the metrics record no push."""
+    pushes = [m for m in metrics if m.get("push_bytes") is not None]
+    if not pushes:
+        return None
+    return {"pushes": len(pushes), "full": sum(bool(m.get("push_full")) for m in pushes),
+            "mib_median": statistics.median(m["push_bytes"] for m in pushes) / 2**20,
+            "seconds_median": statistics.median(m["push_seconds"] for m in pushes)}
 
 
 def plot_run(root: Path, out: Path) -> Path:

@@ -4,7 +4,16 @@ import json
 
 import pytest
 
-from stepline.report import batch_rewards, flat_groups, format_summary, plot_run, reward_quarters, summarise, wilson
+from stepline.report import (
+    batch_rewards,
+    flat_groups,
+    format_summary,
+    plot_run,
+    push_stats,
+    reward_quarters,
+    summarise,
+    wilson,
+)
 
 
 def test_wilson_interval_by_hand():
@@ -116,3 +125,12 @@ def test_a_run_cut_short_by_its_time_bound_names_it(tmp_path):
                                    "ended the phase."]
     # all the updates asked: nothing to warn about
     assert summarise(tmp_path, asked_updates=2)["warnings"] == []
+
+
+def test_push_stats_from_the_trainer_metrics():
+    # the first push in full (6 MiB), then deltas of 1 and 2 MiB: median of (6, 1, 2) MiB = 2, of (3, 1, 0.5) s = 1
+    rows = [{"update": 1, "push_bytes": 6 * 2**20, "push_seconds": 3.0, "push_full": 1.0},
+            {"update": 2, "push_bytes": 2**20, "push_seconds": 1.0, "push_full": 0.0},
+            {"update": 3, "push_bytes": 2 * 2**20, "push_seconds": 0.5, "push_full": 0.0}, {"update": 4}]
+    assert push_stats(rows) == {"pushes": 3, "full": 1, "mib_median": 2.0, "seconds_median": 1.0}
+    assert push_stats([{"update": 1}]) is None

@@ -40,8 +40,8 @@ def job(tmp_path: Path, text: str):
 def test_a_job_starts_vllm_only_on_a_model_vllm_can_reload(tmp_path: Path) -> None:
     with pytest.raises(JobError, match="model.vllm_compatible"):
         job(tmp_path, '[services]\nengine_kind = "vllm"\n')
-    with pytest.raises(JobError, match="smollm2-135m ties its word embeddings"):
-        job(tmp_path, '[model]\nkind = "smollm2-135m"\nvllm_compatible = true\n[services]\nengine_kind = "vllm"\n')
+    # a tied model trains through vLLM (Stepline's worker extension loads its weights in place)
+    job(tmp_path, '[model]\nkind = "smollm2-135m"\n[services]\nengine_kind = "vllm"\n')
     with pytest.raises(JobError, match=r"hidden_size / num_heads .* got 96 / 4"):
         job(tmp_path, '[model]\nvllm_compatible = true\nhidden_size = 96\nnum_heads = 4\n')
     with pytest.raises(JobError, match="services.engine_url of a running SGLang"):
@@ -88,7 +88,12 @@ def test_the_job_starts_vllm_with_what_the_gateway_needs_and_drives_it(tmp_path:
     assert pairs["--model"] == str(tiny_model_dir) and pairs["--port"] == started["engine"].rsplit(":", 1)[1]
     assert (pairs["--logprobs-mode"], pairs["--generation-config"]) == ("processed_logprobs", "vllm")
     assert (pairs["--dtype"], pairs["--max-model-len"], pairs["--max-num-seqs"]) == ("float32", "2048", "16")
+    assert pairs["--worker-extension-cls"] == "stepline.engine.vllm_worker.SteplineWorker"
     env = dict(line.split("=", 1) for line in (fake.parent / "env").read_text().splitlines() if "=" in line)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OMP_NUM_THREADS"] == "1"
     assert env["VLLM_API_KEY"] == os.environ["STEPLINE_ENGINE_TOKEN"]  # the token the gateway sends
+    # the extension's modules alone on vLLM's path (never this environment's site-packages and its torch)
+    shim = Path(env["PYTHONPATH"])
+    assert sorted(str(p.relative_to(shim)) for p in shim.rglob("*.py")) == [
+        "stepline/__init__.py", "stepline/engine/__init__.py", "stepline/engine/vllm_worker.py", "stepline/weightdelta.py"]
     assert "STEPLINE_PARENT_PID" not in env  # consumed by stepline.launch.lifeline before it became vLLM

@@ -2,7 +2,8 @@
 
     POST /generate                 input_ids | text (single or batch), sampling_params, return_logprob,
                                    stream (SSE), rid  ->  {text, output_ids, meta_info} (or a list)
-    POST /update_weights_from_disk {model_path, weight_version?}; a failed load keeps the old weights
+    POST /update_weights_from_disk {model_path, weight_version?}; a failed load keeps the old weights;
+                                   a delta folder (stepline.weightdelta) is loaded in place, checksum first
     POST /pause_generation {mode}, /continue_generation, /abort_request {rid | abort_all},
          /flush_cache (empties the prefix cache), /update_weight_version {new_version}
     GET  /health, /health_generate, /model_info (= /get_model_info), /get_server_info, /get_weight_version
@@ -32,6 +33,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from stepline.engine.deltas import DeltaRefused, apply_delta, prepare_delta
 from stepline.engine.limits import BoundedBody, Control
 from stepline.engine.options import EngineOptions
 from stepline.engine.protocol import (
@@ -44,6 +46,7 @@ from stepline.engine.protocol import (
     expand,
 )
 from stepline.engine.scheduler import Scheduler, Sequence
+from stepline.weightdelta import Delta, read_manifest
 
 __all__ = ["DTYPES", "create_app", "load_model"]
 
@@ -95,6 +98,8 @@ class _State:
         self.scheduler, self.tokenizer, self.model_path, self.dtype = scheduler, tokenizer, model_path, dtype
         self.context_length, self.incremental = context_length, incremental
         self.update_lock = asyncio.Lock()
+        # digest table of the weights served (stepline.weightdelta); None: not computed yet (from model_path)
+        self.digests: dict[str, bytes] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -148,6 +153,9 @@ async def update_weights_from_disk(req: UpdateWeightsRequest, st: _State = Depen
         try:
             if not Path(req.model_path).is_dir():
                 raise BadRequest(f"model_path {req.model_path!r} is not a directory")
+            delta = read_manifest(req.model_path)
+            if delta is not None:
+                return await _update_from_delta(req, delta, st)
             new = await run_in_threadpool(load_model, req.model_path, st.dtype)
             _check_compatible(old, new)
         except Exception as exc:  # the edge: any load failure is the caller's path; old weights stay
@@ -160,8 +168,30 @@ async def update_weights_from_disk(req: UpdateWeightsRequest, st: _State = Depen
             st.scheduler.swap_model(new, version)
 
         await st.control(swap)
-        st.model_path = req.model_path
+        st.model_path, st.digests = req.model_path, None
     return _json({"success": True, "message": "Succeeded to update model weights.",
+                  "num_paused_requests": 0, "weight_version": version})
+
+
+async def _update_from_delta(req: UpdateWeightsRequest, delta: Delta, st: _State) -> Response:
+    """Load a delta in place (stepline.engine.deltas): checked against the full state's checksum before any
+    weight is touched; the caller holds the update lock."""
+    model = st.scheduler.model
+    try:
+        tensors, table = await run_in_threadpool(prepare_delta, delta, model, st.digests, st.model_path)
+    except DeltaRefused as exc:
+        return _json({"success": False, "message": f"Failed to load weights: {exc}"}, 400)
+    version = req.weight_version or _bump(st.scheduler.weight_version)
+
+    def swap() -> None:
+        if req.abort_all_requests:
+            st.scheduler.abort(None, "aborted for a weight update")
+        apply_delta(model, tensors)
+        st.scheduler.swap_model(model, version)  # the prefix cache holds K/V of the old weights: flushed
+
+    await st.control(swap)
+    st.model_path, st.digests = req.model_path, table
+    return _json({"success": True, "message": f"Loaded {len(tensors)} changed tensors in place.",
                   "num_paused_requests": 0, "weight_version": version})
 
 @router.post("/update_weight_version", dependencies=CONTROL)

@@ -25,7 +25,9 @@ the weight gate loads the weights the gateway serves now into it, so every call 
    is served and cut short in the next round, once a second, until no call is in flight;
 4. asks every engine in rotation to pause, load the checkpoint and resume, then bumps the version and
    reopens. An engine that is down misses the update; when it answers again, the router hands it to
-   `resync` first, which loads the current checkpoint into it (unless it already serves that version).
+   `resync` first, which loads the current checkpoint into it (unless it already serves that version). The
+   checkpoint may be a delta (stepline.weightdelta: only the tensors changed since its anchor); an engine that
+   lacks its base is given the anchor first (`load_into`).
 So a long stream delays an update by `grace` s at most, and never fails a call that arrives during it.
 If any engine fails to load, the engines that did load it are moved back to the previous checkpoint
 (when it is known), the old version keeps serving, and the error is raised to the caller.
@@ -43,6 +45,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 
 from stepline.gateway.engines import EngineClient, EngineError, EngineRejected, EngineUnavailable
+from stepline.weightdelta import read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +240,7 @@ class WeightGate:
                 return
             log.warning("engine %s came back on %s: loading version %d from %s", client.url,
                         info.weight_version, self.version, self.path)
-            await client.update_weights(self.path, self.version)
+            await load_into(client, self.path, self.version)
 
     async def _drain(self) -> None:
         """Steps 2 and 3 of the module docstring: the grace, then rounds of abort until nothing is in flight."""
@@ -295,9 +298,23 @@ class WeightGate:
                 self.version,
             )
             return
-        results = await asyncio.gather(
-            *(c.update_weights(self.path, self.version) for c in updated), return_exceptions=True
-        )
+        path = self.path
+        results = await asyncio.gather(*(load_into(c, path, self.version) for c in updated), return_exceptions=True)
         for client, result in zip(updated, results):
             if isinstance(result, BaseException):
                 log.error("rolling %s back to %s failed: %s", client.url, self.path, result)
+
+
+async def load_into(client: EngineClient, path: str, version: int) -> None:
+    """Load `path` into one engine. A delta (stepline.weightdelta) it lacks the base of (it restarted on the
+    model folder after a full push, or is rolled back from a later delta) is preceded by the delta's anchor,
+    the full folder it was taken against."""
+    try:
+        await client.update_weights(path, version)
+    except EngineRejected:
+        delta = read_manifest(path)
+        if delta is None:
+            raise
+        log.info("engine %s lacks the base of %s: loading its anchor %s first", client.url, path, delta.anchor)
+        await client.update_weights(delta.anchor, delta.anchor_version)
+        await client.update_weights(path, version)

@@ -84,17 +84,16 @@ class ModelSection(_Section):
     num_layers: int = Field(4, ge=1, description="transformer layers of the built model")
     num_heads: int = Field(4, ge=1, description="attention heads of the built model")
     num_kv_heads: int = Field(2, ge=1, description="key/value heads of the built model")
-    vllm_compatible: bool = Field(False, description="build a model vLLM serves and reloads (make-model "
-                                  "--vllm-compatible: an untied LM head; hidden_size / num_heads a head size vLLM's "
-                                  "CPU attention supports, e.g. 128 / 2)")
+    vllm_compatible: bool = Field(False, description="build a model vLLM serves (make-model --vllm-compatible: "
+                                  "hidden_size / num_heads a head size vLLM's CPU attention supports, e.g. 128 / 2; "
+                                  "an untied LM head); smollm2-135m is served as it is")
 
     @model_validator(mode="after")
     def _vllm_shape(self) -> ModelSection:
         if not self.vllm_compatible or self.dir is not None:
             return self
         if self.kind == "smollm2-135m":
-            raise ValueError("vllm_compatible: smollm2-135m ties its word embeddings, which vLLM 0.32 cannot reload "
-                             "in place; use kind tiny or qwen3-tiny")
+            return self  # pretrained: its shape is its own (head size 64, which vLLM serves)
         check_vllm_shape(self.hidden_size, self.num_heads)
         return self
 
@@ -224,9 +223,10 @@ class JobConfig(_Section):
         if svc.engine_url is None and svc.engine_kind == "sglang" and self.cluster.engine_command is None:
             raise ValueError("services.engine_kind: a job starts the built-in engine or vLLM; give "
                              "services.engine_url of a running SGLang server (or cluster.engine_command for --ray)")
-        if svc.engine_url is None and svc.engine_kind == "vllm" and model.dir is None and not model.vllm_compatible:
+        if (svc.engine_url is None and svc.engine_kind == "vllm" and model.dir is None and not model.vllm_compatible
+                and model.kind != "smollm2-135m"):
             raise ValueError("model.vllm_compatible: the job starts vLLM on the model it builds, so build one vLLM "
-                             "can serve and reload in place (vllm_compatible = true)")
+                             "can serve (vllm_compatible = true: a head size its CPU attention supports)")
         return self
 
     @model_validator(mode="after")

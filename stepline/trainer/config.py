@@ -149,6 +149,8 @@ class TrainerConfig(BaseModel):
     gateway_url: str | None = Field(None, description="gateway base URL for /admin/update_weights (None: no push)")
     admin_token: str | None = Field(None, description="gateway admin token (or env STEPLINE_ADMIN_TOKEN)")
     keep_weights: int = Field(2, ge=1, description="pushed weight directories kept on disk")
+    push_deltas: bool = Field(True, description="push only the tensors that changed since the engines' full "
+                                                "weights (stepline/trainer/push.py); False: every push in full")
     checkpoint_every: int = Field(10, ge=1, description="checkpoint every k updates (and at the end)")
     tensorboard: bool = Field(True, description="also write metrics to TensorBoard under output_dir/tb")
     progress: bool = Field(True, description="show a live progress bar")

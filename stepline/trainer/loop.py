@@ -36,9 +36,10 @@ from stepline.trainer.information_gain import reference_ids
 from stepline.trainer.memory import keep_freed_memory
 from stepline.trainer.metrics import MetricsLog, progress_bar
 from stepline.trainer.precision import resolve_bf16
+from stepline.trainer.push import WeightPusher
 from stepline.trainer.trainable import add_lora, freeze_below_top
 from stepline.trainer.update import Objective, Policy, update
-from stepline.trainer.weight_sync import WeightSync, save_weights
+from stepline.trainer.weight_sync import WeightSync
 
 __all__ = ["build_policy", "follow", "select_trainable", "train"]
 
@@ -88,10 +89,12 @@ def _train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool,
     """The loop itself; (state, policy, episodes this rank forwarded)."""
     seed_everything(cfg.seed)
     policy = build_policy(cfg)
+    pusher = WeightPusher(cfg.output_dir / "weights", cfg.model_dir, cfg.keep_weights, cfg.push_deltas and sync.deltas)
+    pusher.anchor_on(policy.model, cfg.model_dir)  # the engines start on the model folder: deltas are taken against it
     state = resume(cfg.output_dir / "checkpoints", policy, pool, cfg.consumer)
     claims = Claims(pool, cfg.consumer)  # a pool outage is waited out, not a reason to stop
     if state.version > 0:
-        push_weights(cfg, policy, sync, state.version)  # engines may have restarted on the base weights
+        pusher.push(policy.model, state.version, sync)  # engines may have restarted on the base weights
     idle_since = time.monotonic()
     deadline = idle_since + cfg.max_seconds if cfg.max_seconds is not None else math.inf
     carried: Counter = Counter()  # skip counts of batches that had nothing to train
@@ -131,7 +134,8 @@ def _train(cfg: TrainerConfig, pool: Pool, sync: WeightSync, offline: bool,
             carried.clear()
             state.update, state.version = state.update + 1, state.version + 1
             if state.update % cfg.push_every == 0:
-                push_weights(cfg, policy, sync, state.version)
+                pushed = pusher.push(policy.model, state.version, sync)
+                metrics |= {"push_bytes": pushed.bytes, "push_seconds": pushed.seconds, "push_full": float(pushed.kind != "delta")}
             if state.update % cfg.checkpoint_every == 0:
                 checkpoint(cfg, policy, state, claims)
             log.write(state.update, metrics)
@@ -242,11 +246,6 @@ def objective(cfg: TrainerConfig, update_index: int, offline: bool) -> Objective
 def record_consumed(state: TrainerState, sessions: dict[str, list[str]]) -> None:
     state.consumed.update(sessions)
     state.unacked.extend(sessions)
-
-
-def push_weights(cfg: TrainerConfig, policy: Policy, sync: WeightSync, version: int) -> None:
-    path = save_weights(policy.model, cfg.output_dir / "weights", version, cfg.model_dir, keep=cfg.keep_weights)
-    sync.push(path, version)
 
 
 def checkpoint(cfg: TrainerConfig, policy: Policy, state: TrainerState, claims: Claims) -> None:

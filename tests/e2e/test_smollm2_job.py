@@ -21,6 +21,7 @@ from stepline.datapool import open_pool
 from stepline.gateway.parsers import parse_text
 from stepline.launch.job import load_job
 from stepline.launch.run import run_job
+from stepline.weightdelta import materialize
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the job takes minutes, not the suite default 300 s
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +86,8 @@ def test_sft_policy_writes_tool_calls(finished_run: tuple[Path, dict]) -> None:
 def test_rl_update_changes_what_the_engine_serves(finished_run: tuple[Path, dict]) -> None:
     run_dir, summary = finished_run
     assert summary["rl_updates"] == 1 and summary["weight_version"] == 1
-    pushed = AutoModelForCausalLM.from_pretrained(run_dir / "rl" / "weights" / "v000001").eval()
+    folder = materialize(run_dir / "rl" / "weights" / "v000001", run_dir / "v000001-full")  # a delta: made whole
+    pushed = AutoModelForCausalLM.from_pretrained(folder).eval()
     sft = AutoModelForCausalLM.from_pretrained(run_dir / "model-sft").eval()
     pool = open_pool(f"sqlite:///{run_dir / 'pool.db'}", read_only=True)
     try:

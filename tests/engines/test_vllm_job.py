@@ -28,6 +28,7 @@ from stepline.gateway.engines import SamplingParams, make_engine
 from stepline.launch.job import load_job
 from stepline.launch.run import run_job
 from stepline.launch.vllm_server import VLLM_PYTHON_ENV
+from stepline.weightdelta import materialize
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -84,8 +85,13 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, d
 
 def version_weights(run_dir: Path) -> dict[int, Path]:
     """The folder each weight version was loaded from: the SFT policy vLLM started on, then each push."""
-    pushed = {int(p.name[1:]): p for p in (run_dir / "rl" / "weights").glob("v[0-9]*")}
+    pushed = {int(p.name[1:]): whole(p, run_dir / f"{p.name}-full") for p in (run_dir / "rl" / "weights").glob("v[0-9]*")}
     return {0: run_dir / "model-sft", **pushed}
+
+
+def whole(folder: Path, out: Path) -> Path:
+    """The full checkpoint of a pushed folder (a delta, stepline.weightdelta, made whole once)."""
+    return out if out.is_dir() else materialize(folder, out)
 
 
 def test_the_job_trains_through_vllm_and_vllm_serves_each_pushed_version(vllm_run) -> None:

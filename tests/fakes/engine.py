@@ -78,6 +78,7 @@ class FakeEngine:
     model_path: str | None = None  # reported as the served model's folder
     context_length: int | None = None  # reported as the engine's context limit
     keep_requests: bool = True  # keep every request body in `requests` (off for benchmarks)
+    worker_extension: bool = True  # vLLM: started with Stepline's worker extension (`stepline_load`)
     # observable state
     weight_version: int = 0
     paused: bool = False
@@ -326,13 +327,21 @@ class FakeEngine:
         if self.fail_updates > 0:
             self.fail_updates -= 1
             return web.json_response({"error": "reload failed"}, status=500)
-        path = (body.get("kwargs") or {}).get("weights_path")
-        if path is not None and self._refusal(path) is not None:  # vLLM half-loads, then dies
-            return web.json_response({"error": f"reload failed: {self._refusal(path)}"}, status=500)
+        method, kwargs = body.get("method"), body.get("kwargs") or {}
+        if method == "stepline_load" and self.worker_extension:  # Stepline's worker extension: a refusal is an answer, not a failure
+            path = kwargs["path"]
+            if self._refusal(path) is not None:
+                return web.json_response({"results": [{"ok": False, "message": self._refusal(path)}]})
+        elif method == "reload_weights":
+            path = kwargs.get("weights_path")
+            if path is not None and self._refusal(path) is not None:  # vLLM half-loads, then dies
+                return web.json_response({"error": f"reload failed: {self._refusal(path)}"}, status=500)
+        else:
+            return web.json_response({"error": f"Method {method!r} is not implemented."}, status=500)
         self.loaded = path
         self.weight_version += 1  # as vLLM's reload_weights: loaded; its label is set apart
         self.events.append(f"update:{self.weight_version}")
-        return web.json_response({"results": [None]})
+        return web.json_response({"results": [{"ok": True, "loaded": 0} if method == "stepline_load" else None]})
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())

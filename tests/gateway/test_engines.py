@@ -172,18 +172,21 @@ def untied_model_dir(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("vllm-model") / "m", shape=VLLM_SHAPE)
 
 
-async def test_vllm_weight_update_loads_the_pushed_folder(http, untied_model_dir) -> None:
-    fake = FakeEngine(api="vllm")
+@pytest.mark.parametrize("extension", [True, False])
+async def test_vllm_weight_update_loads_the_pushed_folder(http, untied_model_dir, extension) -> None:
+    fake = FakeEngine(api="vllm", worker_extension=extension)
     async with fake as url:
         engine = make_engine(url, "vllm", http, timeout=5, model_dir=untied_model_dir)
         await engine.pause()
         await engine.update_weights(str(untied_model_dir), 4)
         await engine.resume()
         gen = await engine.generate(PROMPT, SamplingParams())
-    # the folder by keyword (reload_weights' first positional parameter is a weights iterator), vLLM's
-    # own version label set, and /pause + /resume around it
-    rpc = next(body for path, body in fake.requests if path == "/collective_rpc")
-    assert (rpc["method"], rpc["kwargs"]) == ("reload_weights", {"weights_path": str(untied_model_dir)})
+    # through Stepline's worker extension; without it (an untied model), vLLM's own reload with the folder by
+    # keyword (reload_weights' first positional parameter is a weights iterator); vLLM's own version label set,
+    # and /pause + /resume around it
+    rpcs = [(body["method"], body["kwargs"]) for path, body in fake.requests if path == "/collective_rpc"]
+    loaded = [("reload_weights", {"weights_path": str(untied_model_dir)})] if not extension else []
+    assert rpcs == [("stepline_load", {"path": str(untied_model_dir)}), *loaded]
     assert ("/update_weight_version", {"new_version": "4"}) in fake.requests
     assert fake.events == ["pause", "update:1", "resume", "generate"]
     assert gen.weight_version == 4 and fake.version_label == "4"
@@ -211,14 +214,18 @@ async def test_vllm_refuses_a_checkpoint_that_does_not_fit_before_vllm_sees_it(h
     assert not [path for path, _ in fake.requests if path == "/collective_rpc"]
 
 
-async def test_vllm_refuses_to_reload_a_model_with_tied_embeddings(http, tiny_model_dir) -> None:
-    # vLLM 0.32 reloads the embedding but keeps its old LM head: the pushed policy would not be served
-    fake = FakeEngine(api="vllm")
+async def test_vllm_takes_a_tied_model_only_through_the_worker_extension(http, tiny_model_dir) -> None:
+    # vLLM 0.32's own reload keeps the old LM head of a tied model: without the extension the push is refused
+    fake = FakeEngine(api="vllm", worker_extension=False)
     async with fake as url:
         engine = make_engine(url, "vllm", http, timeout=5, model_dir=tiny_model_dir)
         with pytest.raises(EngineRejected, match="tied word embeddings"):
             await engine.update_weights(str(tiny_model_dir), 1)
-    assert not [path for path, _ in fake.requests if path == "/collective_rpc"]
+    assert [body["method"] for path, body in fake.requests if path == "/collective_rpc"] == ["stepline_load"]
+    fake = FakeEngine(api="vllm")
+    async with fake as url:
+        await make_engine(url, "vllm", http, timeout=5, model_dir=tiny_model_dir).update_weights(str(tiny_model_dir), 1)
+    assert fake.events == ["update:1"]
 
 
 def test_unknown_kind_is_refused() -> None:

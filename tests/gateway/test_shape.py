@@ -27,7 +27,7 @@ APP = "stepline.gateway.app"  # the call path's root: every route and the parts 
 # what the call path may import, transitively (lazy imports included): the gateway, the pool's records and
 # interface (never a storage backend), the retry policy
 MAY_IMPORT = ("stepline.gateway", "stepline.datapool.records", "stepline.datapool.base", "stepline.datapool.wire",
-              "stepline._retry")
+              "stepline._retry", "stepline.weightdelta")  # (the weight push's folder format: stdlib at import)
 NEVER = ("stepline.trainer", "stepline.rollout", "stepline.launch")
 FRONT_ENDS = ("chat", "completions", "messages", "responses")
 # a front end reaches the engine, the recorder and the metrics only through the stages it is given

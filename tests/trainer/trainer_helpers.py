@@ -201,6 +201,8 @@ class SamplerSync:
     """An in-process 'engine' behind the WeightSync interface: each push loads the new weights into the
     sampler and produces the next round of rollouts into the pool, stamped with the new version."""
 
+    deltas = False  # it reads model.safetensors: every push in full
+
     def __init__(self, model_dir, pool, target, **rollout_args) -> None:
         from transformers import AutoModelForCausalLM
 

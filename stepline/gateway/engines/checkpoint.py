@@ -59,10 +59,11 @@ def _is_float(dtype: str) -> bool:
     return dtype.startswith("F") or dtype == "BF16"  # F16 F32 F64 F8_E4M3 ... BF16 (not BOOL)
 
 
-def check_checkpoint(folder: Path | str, expected: Signature) -> None:
-    """Raise CheckpointInvalid unless `folder` holds exactly the tensors of `expected`."""
+def check_checkpoint(folder: Path | str, expected: Signature, subset: bool = False) -> None:
+    """Raise CheckpointInvalid unless `folder` holds exactly the tensors of `expected` (`subset`: some of them,
+    as a delta folder does, stepline.weightdelta)."""
     found = signature(folder)
-    problems = [f"missing {name}" for name in sorted(expected.keys() - found.keys())]
+    problems = [] if subset else [f"missing {name}" for name in sorted(expected.keys() - found.keys())]
     problems += [f"unexpected {name}" for name in sorted(found.keys() - expected.keys())]
     for name in sorted(expected.keys() & found.keys()):
         if not _fits(found[name], expected[name]):

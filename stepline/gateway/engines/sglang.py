@@ -9,13 +9,16 @@ with `--incremental-streaming-output` they carry only the new part. Both are acc
 Weight updates (SGLang's documented endpoints): `/pause_generation {}` (its default mode, `abort`; the
 gateway has drained its own calls first), `/update_weights_from_disk {"model_path", "weight_version"}`
 (SGLang answers `{"success", "message"}`, 400 on failure, and keeps the old weights), `/flush_cache`,
-`/continue_generation {}`. At start the gateway reads `/get_model_info` (`model_path`,
+`/continue_generation {}`. A delta folder (stepline.weightdelta) goes only to the built-in engine, which loads it
+in place; SGLang's loader takes whole checkpoints, so the adapter refuses one for SGLang (400: the trainer then
+pushes the full weights). At start the gateway reads `/get_model_info` (`model_path`,
 `weight_version`) and `/get_server_info` (`context_length`).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -29,6 +32,7 @@ from stepline.gateway.engines.base import (
     StreamDelta,
     Transport,
 )
+from stepline.weightdelta import MANIFEST
 
 
 def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
@@ -197,6 +201,8 @@ class SGLangEngine:
                 raise
 
     async def update_weights(self, path: str, version: int) -> None:
+        if self.kind == "sglang" and Path(path, MANIFEST).is_file():
+            raise EngineRejected(f"{path} is a delta (only changed tensors); SGLang loads whole checkpoints", self.url)
         answer = await self.transport.post_json(
             "/update_weights_from_disk",
             {"model_path": path, "weight_version": str(version)},

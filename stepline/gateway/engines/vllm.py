@@ -7,19 +7,21 @@ the choice carries `token_ids` (the sampled ids, a stop token / EOS included), `
 Logprobs: vLLM V1 returns the raw model's logprobs unless the server runs with
 `--logprobs-mode processed_logprobs` (after temperature / top-p), which is what an RL ratio needs.
 
-Weight updates need the server's development endpoints (`VLLM_SERVER_DEV_MODE=1`; checked on vLLM 0.32):
+Weight updates need the server's development endpoints (`VLLM_SERVER_DEV_MODE=1`; checked on vLLM 0.32) and
+Stepline's worker extension (`--worker-extension-cls stepline.engine.vllm_worker.SteplineWorker`, which
+`stepline run`/`up` pass):
 1. the pushed folder is checked first (`stepline.gateway.engines.checkpoint`: every tensor's name, shape and
-   dtype from the safetensors headers against the served model's), because vLLM's `reload_weights`
-   loads in place: a broken checkpoint left it half-loaded, and then dead. A model with tied word
-   embeddings is refused too: vLLM 0.32 reloads the embedding but keeps the LM head it started with
-   (its log: "ParallelLMHead: Failed to load weights"), so it would serve a mix of two policies
-   (`stepline make-model --vllm-compatible` builds an untied model);
+   dtype from the safetensors headers against the served model's; a delta folder, stepline.weightdelta, holds
+   some of them), because the load is in place: a broken checkpoint would leave vLLM half-loaded;
 2. `POST /pause?mode=abort` (SGLang's default mode too; the gateway has drained its own calls already);
-3. `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}` (the keyword
-   matters: the first positional parameter of `reload_weights` is a weights iterator, and without a
-   path vLLM re-reads the folder it was started from);
+3. `POST /collective_rpc {"method": "stepline_load", "kwargs": {"path": DIR}}`: the extension copies the
+   folder's tensors into the running model, a tied LM head included, and checks a delta's checksum first
+   (a refusal is a 400: the trainer then pushes the full weights);
 4. `POST /reset_prefix_cache`, `POST /update_weight_version {"new_version": "<version>"}`;
 5. `POST /resume` (the weight gate calls it whether the update worked or not).
+A vLLM started without the extension gets vLLM's own `reload_weights(weights_path=DIR)` for full folders of
+untied models, and a refusal for the rest: vLLM 0.32's reload keeps the LM head it started with, so a tied
+model would serve a mix of two policies.
 Without dev mode `/collective_rpc` is a 404, answered with an error that says so.
 """
 
@@ -44,10 +46,12 @@ from stepline.gateway.engines.base import (
     Transport,
 )
 from stepline.gateway.engines.checkpoint import CheckpointInvalid, Signature, check_checkpoint, signature
+from stepline.weightdelta import read_manifest
 
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
+WORKER_EXTENSION = "stepline.engine.vllm_worker.SteplineWorker"  # what --worker-extension-cls names
 
 
 class VLLMEngine:
@@ -71,6 +75,7 @@ class VLLMEngine:
         self.version = 0
         self._expected: Signature | None = None
         self._tied = False  # the served model ties its LM head to the embedding
+        self._extension: bool | None = None  # vLLM runs Stepline's worker extension (None: not asked yet)
 
     async def _model_card(self) -> dict[str, Any]:
         data = await self.transport.get_json("/v1/models")
@@ -185,19 +190,49 @@ class VLLMEngine:
         await self._optional_post("/resume", {})
 
     async def update_weights(self, path: str, version: int) -> None:
-        """Check the folder, load it with `reload_weights(weights_path=path)`, then set vLLM's version."""
+        """Check the folder, load it in place through the worker extension, then set vLLM's version."""
         expected = await self._expected_signature()
-        if self._tied:
-            raise EngineRejected(
-                "vLLM cannot reload a model with tied word embeddings in place (it keeps the old LM head): "
-                "serve an untied model (stepline make-model --vllm-compatible), or restart vLLM on the checkpoint",
-                self.url,
-            )
-        await asyncio.to_thread(check_checkpoint, path, expected)
-        timeout = max(self.transport.timeout.total or 0, 600.0)
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}, "timeout": timeout}
         try:
-            await self.transport.post_json("/collective_rpc", body, timeout=timeout)
+            delta = await asyncio.to_thread(read_manifest, path)
+        except ValueError as exc:
+            raise CheckpointInvalid(str(exc), self.url) from None
+        await asyncio.to_thread(check_checkpoint, path, expected, delta is not None)
+        if not await self._extension_load(path):
+            if delta is not None or self._tied:
+                raise EngineRejected(
+                    f"vLLM runs without Stepline's worker extension (--worker-extension-cls {WORKER_EXTENSION}): "
+                    "it cannot load a delta, nor a model with tied word embeddings, in place", self.url)
+            await self._rpc("reload_weights", {"weights_path": str(path)})
+        self.version = version
+        await self._optional_post("/reset_prefix_cache", {})  # cached KV was computed with the old weights
+        await self._optional_post("/update_weight_version", {"new_version": str(version)})
+
+    async def _extension_load(self, path: str) -> bool:
+        """`stepline_load` on every worker; False when vLLM has no such method (started without the extension)."""
+        if self._extension is False:
+            return False
+        try:
+            answer = await self._rpc("stepline_load", {"path": str(path)})
+        except EngineError as exc:
+            if "not implemented" not in str(exc):
+                raise
+            self._extension = False
+            return False
+        self._extension = True
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not results:
+            raise EngineError(f"stepline_load answered {answer!r:.200}", self.url)
+        refused = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+        if refused:
+            message = refused[0].get("message") if isinstance(refused[0], dict) else refused[0]
+            raise EngineRejected(f"weights refused: {message}", self.url)
+        return True
+
+    async def _rpc(self, method: str, kwargs: dict[str, str]) -> Any:
+        timeout = max(self.transport.timeout.total or 0, 600.0)
+        body = {"method": method, "kwargs": kwargs, "timeout": timeout}
+        try:
+            return await self.transport.post_json("/collective_rpc", body, timeout=timeout)
         except EngineRejected as exc:
             if exc.upstream_status == 404:
                 raise EngineError(
@@ -206,9 +241,6 @@ class VLLMEngine:
                     self.url,
                 ) from exc
             raise
-        self.version = version
-        await self._optional_post("/reset_prefix_cache", {})  # cached KV was computed with the old weights
-        await self._optional_post("/update_weight_version", {"new_version": str(version)})
 
     async def _expected_signature(self) -> Signature:
         """The served model's tensors: from `model_dir` (the gateway's --model), else from the folder
