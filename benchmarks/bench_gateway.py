@@ -1,6 +1,7 @@
-"""Gateway overhead against a fast fake engine, all in one run.
+"""Gateway overhead against a fast fake engine, all in one run; or two trees' gateways side by side.
 
-    .venv/bin/python benchmarks/bench_gateway.py [--turns 20] [--context 4000] [--sessions 64]
+    .venv/bin/python benchmarks/bench_gateway.py [--turns 20] [--context 4000] [--sessions 64] [--rounds 1]
+    .venv/bin/python benchmarks/bench_gateway.py --compare DIR [--rounds 3]
 
 Three processes: a FakeEngine (tests/fakes/engine.py, run as a script; SGLang /generate wire format, 16 tokens per answer, the last one EOS),
 the gateway (`stepline gateway`, recording into a real SQLite pool), and this load generator.
@@ -13,25 +14,36 @@ the gateway (`stepline gateway`, recording into a real SQLite pool), and this lo
 3. Throughput: `--sessions` concurrent sessions running such conversations.
 4. Gateway CPU per call (all its threads, from /proc/<pid>/task/*/schedstat) at turn 1 vs turn 40,
    `--sessions` sessions in lockstep: cost must follow the new tokens, not the context length.
+
+`--compare DIR` measures two gateways in one run: `before` = the checkout DIR of another commit (its gateway, and
+pool service with `--pool-service`, run with PYTHONPATH=DIR, so `-m stepline.cli` is that tree's code) and `after` =
+this tree. Both run at once, each with its own pool, behind the same fake engine, driven by this load generator, and
+read back with this tree's pool code; the rounds alternate (before after, after before, ...) so that drift on the
+machine falls on both alike. It prints each figure's median over the rounds for both, its range, and the ratio
+after / before.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 import numpy as np
 import orjson
 
-FAKE_ENGINE = Path(__file__).resolve().parents[1] / "tests" / "fakes" / "engine.py"  # the tests' fake, run as a script
+ROOT = Path(__file__).resolve().parents[1]  # the current tree ("after" in a comparison)
+FAKE_ENGINE = ROOT / "tests" / "fakes" / "engine.py"  # the tests' fake, run as a script
 ADMIN = {"Authorization": "Bearer bench"}
 OUT_TOKENS = 16
 EOS = 2  # <|im_end|> in the tiny model's vocabulary
@@ -63,10 +75,12 @@ def pct(values: list[float], q: float) -> float:
 class Bench:
     def __init__(self, http: aiohttp.ClientSession, gateway: str, engine: str, document: str) -> None:
         self.http, self.gateway, self.engine, self.document = http, gateway, engine, document
+        self.ids = itertools.count()  # task ids stay unique over rounds
 
     async def new_session(self, name: str) -> dict:
+        task_id = f"{name}-{next(self.ids)}"
         async with self.http.post(
-            self.gateway + "/sessions", json={"task_id": name, "harness": "bench"}, headers=ADMIN
+            self.gateway + "/sessions", json={"task_id": task_id, "harness": "bench"}, headers=ADMIN
         ) as r:
             assert r.status == 201, await r.text()
             return await r.json()
@@ -225,28 +239,70 @@ async def cpu_by_turn(bench: Bench, gateway_pid: int, sessions: int, turns: int)
     return per_turn
 
 
-def start_services(model_dir: Path, pool_url: str) -> tuple[subprocess.Popen, subprocess.Popen, str, str]:
-    engine_port, gateway_port = free_port(), free_port()
-    engine_args = ["--port", str(engine_port), "--tokens", str(OUT_TOKENS), "--eos", str(EOS)]
-    engine = subprocess.Popen([sys.executable, str(FAKE_ENGINE), *engine_args], stdout=subprocess.DEVNULL)
-    engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
-    gateway_args = ["--engine", engine_url, "--engine-kind", "sglang", "--model", str(model_dir), "--pool", pool_url,
-                    "--port", str(gateway_port), "--admin-token", "bench", "--context-length", "32768"]
-    gateway = subprocess.Popen([sys.executable, "-m", "stepline.cli", "gateway", *gateway_args],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return engine, gateway, engine_url, gateway_url
+class Gateway(NamedTuple):
+    proc: subprocess.Popen
+    url: str
+    pool_url: str
+    log: Path
 
 
-async def wait_up(http: aiohttp.ClientSession, *urls: str) -> None:
-    for url in urls:
-        for _ in range(600):
-            try:
-                async with http.get(url + "/health") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
+def spawn(stack: ExitStack, command: list[str], env: dict[str, str], log: Path | None = None) -> subprocess.Popen:
+    """Start a process that `stack` stops (stderr to `log` when given, else to ours)."""
+    stderr = stack.enter_context(log.open("wb")) if log is not None else None
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+
+    def stop() -> None:
+        proc.terminate()
+        proc.wait(60)
+
+    stack.callback(stop)
+    return proc
+
+
+def start_engine(stack: ExitStack) -> str:
+    """The fake engine, run as a script with the current tree on the path (one engine for both sides)."""
+    port = free_port()
+    args = ["--port", str(port), "--tokens", str(OUT_TOKENS), "--eos", str(EOS)]
+    spawn(stack, [sys.executable, str(FAKE_ENGINE), *args], dict(os.environ, PYTHONPATH=str(ROOT)))
+    return f"http://127.0.0.1:{port}"
+
+
+def start_gateway(
+    stack: ExitStack, tree: Path, model_dir: Path, engine_url: str, work: Path, pool_service: bool
+) -> Gateway:
+    """`stepline gateway` of the checkout `tree` (PYTHONPATH=tree), recording into its own SQLite pool in `work`
+    (through that checkout's `stepline pool serve` with `pool_service`). The trees compared so far (17cb02f and
+    after) take the same options; adapt the list here per tree if one differs."""
+    work.mkdir(parents=True, exist_ok=True)
+    cli, env = [sys.executable, "-m", "stepline.cli"], dict(os.environ, PYTHONPATH=str(tree))
+    pool_url = f"sqlite:///{work / 'pool.db'}"
+    if pool_service:
+        port = free_port()
+        spawn(stack, [*cli, "pool", "serve", "--db", pool_url, "--port", str(port)], env, work / "pool.log")
+        pool_url = f"http://127.0.0.1:{port}"
+    port = free_port()
+    args = ["--engine", engine_url, "--engine-kind", "sglang", "--model", str(model_dir), "--pool", pool_url,
+            "--port", str(port), "--admin-token", "bench", "--context-length", "32768", "--state-dir", str(work)]
+    proc = spawn(stack, [*cli, "gateway", *args], env, work / "gateway.log")
+    return Gateway(proc, f"http://127.0.0.1:{port}", pool_url, work / "gateway.log")
+
+
+async def wait_up(
+    http: aiohttp.ClientSession, url: str, proc: subprocess.Popen | None = None, log: Path | None = None
+) -> None:
+    """Wait for `url`/health; fail with the process's log if it exits or never answers."""
+    for _ in range(600):
+        if proc is not None and proc.poll() is not None:
+            break
+        try:
+            async with http.get(url + "/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise SystemExit(f"{url} did not come up\n{tail}")
 
 
 def document(model_dir: Path, tokens: int) -> str:
@@ -254,32 +310,48 @@ def document(model_dir: Path, tokens: int) -> str:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    root = Path(__file__).resolve().parents[1]  # the README and docs/: the same prose however it is split
-    source = "\n".join(path.read_text() for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    # the README and docs/ of the current tree: the same prose for both sides of a comparison
+    source = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     ids: list[int] = []
     while len(ids) < tokens:
         ids += tok.encode(source).ids
     return tok.decode(ids[:tokens])
 
 
-async def run(args: argparse.Namespace, model_dir: Path, pool_url: str) -> dict:
-    engine, gateway, engine_url, gateway_url = start_services(model_dir, pool_url)
-    connector = aiohttp.TCPConnector(limit=0)
-    try:
-        async with aiohttp.ClientSession(connector=connector) as http:
-            await wait_up(http, *([pool_url] if pool_url.startswith("http") else []), engine_url, gateway_url)
-            bench = Bench(http, gateway_url, engine_url, document(model_dir, args.context))
-            await bench.conversation(await bench.new_session("warmup"), 3)
-            results = {
-                "latency": await added_latency(bench, pool_url, args.turns, args.conversations, stream=False),
-                "ttft": await added_latency(bench, pool_url, args.turns, max(1, args.conversations // 2), stream=True),
-                "throughput": await throughput(bench, gateway.pid, args.sessions, args.turns),
-                "cpu": await cpu_by_turn(bench, gateway.pid, args.sessions, 40),
-            }
-    finally:
-        for proc in (gateway, engine):
-            proc.terminate()
-            proc.wait(60)
+async def measure(bench: Bench, gateway: Gateway, args: argparse.Namespace) -> dict:
+    """One round of the four measurements against one gateway."""
+    pid = gateway.proc.pid
+    return {
+        "latency": await added_latency(bench, gateway.pool_url, args.turns, args.conversations, stream=False),
+        "ttft": await added_latency(bench, gateway.pool_url, args.turns, max(1, args.conversations // 2), stream=True),
+        "throughput": await throughput(bench, pid, args.sessions, args.turns),
+        "cpu": await cpu_by_turn(bench, pid, args.sessions, 40),
+    }
+
+
+async def run(args: argparse.Namespace, model_dir: Path, sides: dict[str, Path], tmp: Path) -> dict[str, list[dict]]:
+    """Start one fake engine and each side's gateway, then measure the sides in alternating rounds (A B, B A, ...)
+    so that drift on the machine falls on both alike. Returns each side's rounds."""
+    with ExitStack() as stack:
+        engine_url = start_engine(stack)
+        gateways = {
+            name: start_gateway(stack, tree, model_dir, engine_url, tmp / name, args.pool_service)
+            for name, tree in sides.items()
+        }
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            await wait_up(http, engine_url)
+            for gateway in gateways.values():
+                if gateway.pool_url.startswith("http"):
+                    await wait_up(http, gateway.pool_url)
+                await wait_up(http, gateway.url, gateway.proc, gateway.log)
+            text = document(model_dir, args.context)
+            benches = {name: Bench(http, gateway.url, engine_url, text) for name, gateway in gateways.items()}
+            for bench in benches.values():
+                await bench.conversation(await bench.new_session("warmup"), 3)
+            results: dict[str, list[dict]] = {name: [] for name in sides}
+            for round_ in range(args.rounds):
+                for name in list(sides)[:: 1 if round_ % 2 == 0 else -1]:
+                    results[name].append(await measure(benches[name], gateways[name], args))
     return results
 
 
@@ -327,6 +399,48 @@ def report(r: dict, args: argparse.Namespace) -> None:
     print("targets: " + ("all met" if not misses else "MISSED " + ", ".join(misses)))
 
 
+# Figures of a comparison: (label, better when "lower" or "higher", read from one round's results).
+FIGURES = [
+    ("added latency p50 (ms)", "lower", lambda r: r["latency"]["added_p50"]),
+    ("added latency p99 (ms)", "lower", lambda r: r["latency"]["added_p99"]),
+    ("prompt building p50 (ms)", "lower", lambda r: r["latency"]["render_p50"]),
+    ("added TTFT p50 (ms, stream)", "lower", lambda r: r["ttft"]["added_p50"]),
+    ("added TTFT p99 (ms, stream)", "lower", lambda r: r["ttft"]["added_p99"]),
+    ("calls/s", "higher", lambda r: r["throughput"]["calls_per_s"]),
+    ("gateway CPU per call (ms)", "lower", lambda r: r["throughput"]["gateway_cpu_ms_per_call"]),
+    ("  event loop (ms)", "lower", lambda r: r["throughput"]["event_loop_cpu_ms_per_call"]),
+    ("CPU per call turn 1 (ms)", "lower", lambda r: r["cpu"][1]),
+    ("CPU per call turn 40 (ms)", "lower", lambda r: r["cpu"][40]),
+    ("CPU turn 40 / turn 1", "lower", lambda r: r["cpu"][40] / r["cpu"][1]),
+]
+
+
+def commit(tree: Path) -> str:
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return (done.stdout.strip() or "?") + ("+changes" if dirty else "")
+
+
+def report_comparison(results: dict[str, list[dict]], sides: dict[str, Path], args: argparse.Namespace) -> None:
+    """Each figure for both sides: median over the rounds [min–max], and the ratio of the medians, after / before."""
+    pool = "pool service (HTTP) -> SQLite" if args.pool_service else "SQLite pool"
+    print(
+        f"\ngateway before / after: {args.rounds} alternating rounds each; {args.context}-token document, "
+        f"{args.turns}-turn conversations, {args.sessions} sessions, fake engine, {pool}; {os.cpu_count()} CPUs"
+    )
+    for name, tree in sides.items():
+        print(f"  {name}: {tree} at {commit(tree)}")
+    print(f"\n{'':30}{'before':>24}{'after':>24}{'after/before':>14}")
+    for label, better, read in FIGURES:
+        cells, medians = [], []
+        for name in sides:
+            values = [read(r) for r in results[name]]
+            medians.append(float(np.median(values)))
+            cells.append(f"{medians[-1]:.2f} [{min(values):.2f}–{max(values):.2f}]")
+        print(f"{label:30}{cells[0]:>24}{cells[1]:>24}{medians[1] / medians[0]:>10.3f} ({better} is better)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=20)
@@ -335,27 +449,25 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: build `tiny`)")
     parser.add_argument("--pool-service", action="store_true", help="record through `stepline pool serve` (HTTP)")
+    parser.add_argument("--compare", type=Path, default=None, metavar="DIR",
+                        help="also measure the gateway of this checkout (another commit) as `before`, alternating")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per side (default: 1, or 3 with --compare)")
     parser.add_argument("--json", action="store_true", help="also print the raw figures as JSON")
     args = parser.parse_args()
+    args.rounds = args.rounds or (3 if args.compare else 1)
+    sides = {"current": ROOT} if args.compare is None else {"before": args.compare.resolve(), "after": ROOT}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
             from stepline.models import build_model
 
             model_dir = build_model(Path(tmp) / "tiny", kind="tiny", seed=0)
-        pool_url, service = f"sqlite:///{Path(tmp) / 'pool.db'}", None
-        if args.pool_service:
-            port = free_port()
-            service = subprocess.Popen([sys.executable, "-m", "stepline.cli", "pool", "serve", "--db", pool_url,
-                                        "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            pool_url = f"http://127.0.0.1:{port}"
-        try:
-            results = asyncio.run(run(args, model_dir, pool_url))
-        finally:
-            if service is not None:
-                service.terminate()
-                service.wait(60)
-    report(results, args)
+        results = asyncio.run(run(args, model_dir, sides, Path(tmp)))
+    if args.compare is None:
+        for one in results["current"]:
+            report(one, args)
+    else:
+        report_comparison(results, sides, args)
     if args.json:
         print(orjson.dumps(results, option=orjson.OPT_NON_STR_KEYS).decode())
 
