@@ -200,9 +200,9 @@ def _rejected() -> frozenset[str]:
     rejected = sorted(t for c in CATEGORIES if not c.startswith("multi_turn") for t in _entries(c, True)
                       if not op_check(t, _expert_result(t))["valid"])
     try:
-        with tempfile.NamedTemporaryFile("w", dir=sys.prefix, suffix=".tmp", delete=False) as f:
-            json.dump({"key": key, "rejected": rejected}, f)
-        os.replace(f.name, path)
+        with tempfile.NamedTemporaryFile("w", dir=sys.prefix, suffix=".tmp", delete=False) as out:
+            json.dump({"key": key, "rejected": rejected}, out)
+        os.replace(out.name, path)
     except OSError:
         pass
     return frozenset(rejected)
