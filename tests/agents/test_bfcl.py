@@ -17,7 +17,7 @@ from harness_helpers import cli, endpoint, server_policy, verdict
 
 from stepline.agents.bfcl import harness, verify
 from stepline.agents.bfcl.categories import CATEGORIES, category_of, split_of
-from stepline.agents.bfcl.client import SOCKET_ENV, available, start_server
+from stepline.agents.bfcl.client import SOCKET_ENV, Bridge, available, start_server
 from stepline.agents.bfcl.report import table, wilson
 from stepline.agents.common import Turn
 from stepline.agents.common.loop import RawCall
@@ -43,7 +43,7 @@ def _all_ids() -> list[str]:
 
 def test_split_is_fixed_disjoint_and_covers_every_category() -> None:
     train, test = harness.split_ids("train"), harness.split_ids("test")
-    assert not set(train) & set(test) and len(train) + len(test) == len(_all_ids()) == 2549
+    assert not set(train) & set(test) and len(train) + len(test) == len(_all_ids()) == 2547
     assert {category_of(t) for t in test} == set(CATEGORIES)
     assert all(split_of(t) == "test" for t in test) and 0.17 < len(test) / len(_all_ids()) < 0.23
     done = cli("stepline.agents.bfcl.tasks", "--split", "test")
@@ -53,6 +53,17 @@ def test_split_is_fixed_disjoint_and_covers_every_category() -> None:
 def _expert_fails(task_ids: list[str]) -> dict[str, str]:
     verdicts = {t: verify.score(t, harness.play(t, harness.MAX_TURNS, expert=True)) for t in task_ids}
     return {t: v.reason for t, v in verdicts.items() if not (v.success and v.reward == 1.0)}
+
+
+def test_tasks_whose_ground_truth_bfcls_checker_rejects_are_left_out(bridge_server: None) -> None:
+    """Possible answers that contradict their function documents (a required parameter without a value, a
+    parameter the function lacks): BFCL's checker rejects the expert's answer, so no answer could score."""
+    listed = set(_all_ids())
+    with Bridge() as bridge:
+        for task_id in ("live_simple_106-63-0", "live_multiple_862-181-3", "live_multiple_964-207-0"):
+            calls = bridge.ask("expert", id=task_id)[0][0]
+            verdict = bridge.ask("check", id=task_id, result=[{c["name"]: json.dumps(c["arguments"])} for c in calls])
+            assert task_id not in listed and not verdict["valid"], verdict
 
 
 def test_expert_scores_one_on_a_sample_of_every_category(bridge_server: None) -> None:

@@ -180,18 +180,15 @@ def bridge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bridge]:
         server.wait()
 
 
-def answerable(bridge: Bridge, every: int) -> list[Task]:
-    """Every `every`-th task of each category whose ground truth, as the expert plays it (JSON arguments, no
-    gateway), BFCL's checker accepts (two live tasks' possible answers contradict their function documents)."""
+def listed(bridge: Bridge, every: int) -> list[Task]:
+    """Every `every`-th task of each category the harness lists (those whose ground truth, as the expert plays
+    it, BFCL's checker accepts), with its tools' parameter schemas and the expert's calls."""
     tasks = []
     for ids in bridge.ask("tasks", categories=list(CATEGORIES)).values():
         for task_id in ids[::every]:
             tools = {t["function"]["name"]: t["function"].get("parameters") or {}
                      for t in bridge.ask("task", id=task_id)["tools"]}
-            task = Task(task_id, tools, bridge.ask("expert", id=task_id))
-            steps = [[[[c["name"], json.dumps(c["arguments"])] for c in calls] for calls in turn] for turn in task.expert]
-            if bridge.ask("check", id=task_id, result=result_of(task_id, steps))["valid"]:
-                tasks.append(task)
+            tasks.append(Task(task_id, tools, bridge.ask("expert", id=task_id)))
     return tasks
 
 
@@ -213,7 +210,7 @@ def failures(bridge: Bridge, family: Family, tasks: list[Task]) -> dict[str, str
 
 @pytest.fixture(scope="module")
 def sample(bridge: Bridge) -> list[Task]:
-    return answerable(bridge, SAMPLE_EVERY)
+    return listed(bridge, SAMPLE_EVERY)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -224,13 +221,12 @@ def test_a_sample_of_every_category_round_trips(bridge: Bridge, sample: list[Tas
 
 @pytest.fixture(scope="module")
 def every_task(bridge: Bridge) -> list[Task]:
-    return answerable(bridge, 1)
+    return listed(bridge, 1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_task_round_trips(bridge: Bridge, every_task: list[Task], family: str) -> None:
-    assert len(every_task) == 2547  # 2549 the harness lists, less the two BFCL's checker rejects as given
     assert failures(bridge, FAMILIES[family], every_task) == {}
 
 

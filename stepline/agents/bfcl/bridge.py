@@ -9,7 +9,8 @@ its tool conversion, its multi-turn API classes and executor, its decoders and i
 everything; nothing here re-implements them. Requests are one JSON object a line, `{"op": ..., ...}`;
 each answer is `{"ok": true, "result": ...}` or `{"ok": false, "error": "..."}`.
 
-    tasks   {categories}            -> {category: [task id, ...]} in the files' order (answerable ones)
+    tasks   {categories}            -> {category: [task id, ...]} in the files' order (those whose expert answer
+                                       BFCL's checker accepts: see answerable)
     task    {id}                    -> {id, category, tools (OpenAI chat.completions), turns, ground_truth}
     expert  {id}                    -> the ground truth as tool calls: [[[{name, arguments}] per step] per turn]
     open    {id}                    -> the API classes of a multi-turn task, instantiated from its initial_config
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import hashlib
 import inspect
 import itertools
 import json
@@ -33,6 +35,7 @@ import os
 import signal
 import socketserver
 import sys
+import tempfile
 from functools import cache
 from typing import Any, Protocol
 
@@ -164,18 +167,45 @@ def _classes(entry: dict[str, Any]) -> list[type]:
 
 
 def answerable(task_id: str) -> bool:
-    """False for the few entries whose possible answer lists no value for a required parameter: BFCL's
-    checker rejects every answer to them (missing, or of the wrong type), so the harness leaves them out."""
-    category = category_of(task_id)
-    if category.startswith("multi_turn"):
-        return True
-    functions = {f["name"]: f for f in _entries(category, True)[task_id]["function"]}
-    for call in _answers(category)[task_id]:
-        (name, params), = call.items()
-        required = functions.get(name, {}).get("parameters", {}).get("required", [])
-        if any(params.get(k) == [] for k in required):
-            return False
-    return True
+    """Whether BFCL's own checker accepts the answer the expert gives (op_check on op_expert's calls, as the
+    harness's verify sends them): a few entries' possible answers contradict their function documents (no value
+    for a required parameter, a parameter the function lacks), so no answer to them scores; the harness leaves
+    them out. Multi-turn tasks are all in (the expert plays each to 1.0)."""
+    return task_id not in _rejected()
+
+
+def _expert_result(task_id: str) -> list[dict[str, str]]:
+    """A single-turn expert answer in the handler's raw format, as verify.raw_result builds it from the episode."""
+    (calls,), = op_expert(task_id)
+    return [{c["name"]: json.dumps(c["arguments"])} for c in calls]
+
+
+@cache
+def _rejected() -> frozenset[str]:
+    """The single-turn tasks whose expert answer BFCL's checker rejects: computed once per bfcl-eval version and
+    version of this file (the checker's imports take seconds, the pass itself under a second) and kept in a JSON
+    file beside the bfcl-eval environment; computed every time where that cannot be written."""
+    from importlib.metadata import version
+
+    with open(__file__, "rb") as source:
+        key = {"bfcl_eval": version("bfcl-eval"), "bridge": hashlib.sha256(source.read()).hexdigest()}
+    path = os.path.join(sys.prefix, "stepline-bfcl-rejected.json")
+    try:
+        with open(path) as f:
+            cached = json.load(f)
+        if cached.get("key") == key:
+            return frozenset(cached["rejected"])
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        pass
+    rejected = sorted(t for c in CATEGORIES if not c.startswith("multi_turn") for t in _entries(c, True)
+                      if not op_check(t, _expert_result(t))["valid"])
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=sys.prefix, suffix=".tmp", delete=False) as out:
+            json.dump({"key": key, "rejected": rejected}, out)
+        os.replace(out.name, path)
+    except OSError:
+        pass
+    return frozenset(rejected)
 
 
 def op_expert(task_id: str) -> list[list[list[dict[str, Any]]]]:
@@ -327,6 +357,7 @@ def warm() -> None:
     _decoder()
     for category in CATEGORIES:
         _entries(category, True), _entries(category, False), _answers(category)
+    _rejected()
 
 
 class _Handler(socketserver.StreamRequestHandler):
