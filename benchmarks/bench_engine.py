@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,16 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from _services import free_port
 
 CONCURRENCY = (1, 8, 32)
 TARGET_RATIO_AT_8 = 4.0
 TARGET_EPISODE_RATIO = 3.0
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,30 +29,14 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+from _services import free_port, wait_up
 
 FAKE_ENGINE = Path(__file__).resolve().parents[1] / "tests" / "fakes" / "engine.py"
 ADMIN = {"Authorization": "Bearer bench"}
 VICTIM = {"messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 1}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
-
-async def wait_up(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen | None = None) -> None:
-    for _ in range(1200):
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"{url} exited with code {proc.returncode}")
-        try:
-            async with http.get(url + "/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    raise SystemExit(f"{url} did not come up")
 
 
 def start_gateway(args: argparse.Namespace, engine: str, model: Path, limit: int, tmp: Path) -> tuple[subprocess.Popen, str]:

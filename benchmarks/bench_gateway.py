@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import itertools
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from typing import NamedTuple
 import aiohttp
 import numpy as np
 import orjson
+from _services import free_port, wait_up
 
 ROOT = Path(__file__).resolve().parents[1]  # the current tree ("after" in a comparison)
 FAKE_ENGINE = ROOT / "tests" / "fakes" / "engine.py"  # the tests' fake, run as a script
@@ -49,11 +49,6 @@ OUT_TOKENS = 16
 EOS = 2  # <|im_end|> in the tiny model's vocabulary
 TARGETS = {"p50_added_ms": 2.0, "calls_per_s": 1000.0, "cpu_ratio": 2.0, "ttft_added_ms": 1.0}
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cpu_ns(pid: int, main_only: bool = False) -> int:
@@ -287,22 +282,6 @@ def start_gateway(
     return Gateway(proc, f"http://127.0.0.1:{port}", pool_url, work / "gateway.log")
 
 
-async def wait_up(
-    http: aiohttp.ClientSession, url: str, proc: subprocess.Popen | None = None, log: Path | None = None
-) -> None:
-    """Wait for `url`/health; fail with the process's log if it exits or never answers."""
-    for _ in range(600):
-        if proc is not None and proc.poll() is not None:
-            break
-        try:
-            async with http.get(url + "/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    raise SystemExit(f"{url} did not come up\n{tail}")
 
 
 def document(model_dir: Path, tokens: int) -> str:

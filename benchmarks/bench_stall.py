@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+from _services import free_port, wait_up
 
 FAKE_ENGINE = Path(__file__).resolve().parents[1] / "tests" / "fakes" / "engine.py"
 ADMIN = {"Authorization": "Bearer bench"}
@@ -86,11 +86,6 @@ def serve_passthrough(port: int, upstream: str) -> None:
 
 
 # --- measuring processes ---
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tree(pid: int) -> list[int]:
@@ -150,18 +145,6 @@ class Target:
             return r.status, orjson.loads(await r.read())
 
 
-async def wait_up(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen) -> None:
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise SystemExit(f"{url} exited with code {proc.returncode}")
-        try:
-            async with http.get(url + "/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    raise SystemExit(f"{url} did not come up")
 
 
 # --- the workloads ---
