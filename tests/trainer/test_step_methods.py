@@ -1,4 +1,4 @@
-"""The step-level methods of the seed summaries, by hand: MPO's turn ratio, EPIC's prefix ratio, CAPO's
+"""The step-level methods, by hand: MPO's turn ratio, EPIC's prefix ratio, CAPO's
 action-level TD advantage, IGPO's information-gain rewards and the gold-answer forward, and the trust
 regions (GAPO, RIPO, the stale-adaptive clip, DPPO's mask, DRPO's regulariser, CPPO's prefix budget)."""
 
