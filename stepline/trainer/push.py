@@ -98,15 +98,16 @@ class WeightPusher:
         table = {}
         for name, tensor in state.items():
             if tensor.data_ptr() in frozen:
-                table[name] = self._frozen.get(name) or self._frozen.setdefault(name, digest(name, tensor))
+                if name not in self._frozen:
+                    self._frozen[name] = digest(name, tensor)
+                table[name] = self._frozen[name]
             else:
                 table[name] = digest(name, tensor)
         return table
 
     def _write_delta(self, state: dict[str, torch.Tensor], table: dict[str, bytes], version: int) -> Path:
         assert self.anchor is not None
-        self._touched |= {name for name, d in table.items() if self.anchor.table.get(name) != d}
-        self._touched |= set(table) - set(self.anchor.table)
+        self._touched |= {name for name, d in table.items() if self.anchor.table.get(name) != d}  # new names too
         tensors = {name: state[name] for name in sorted(self._touched)}
         return write_delta(self.root / f"v{version:06d}", tensors, checksum(table), self.anchor.folder.resolve(),
                            self.anchor.version)
