@@ -45,6 +45,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 CALLING: contextvars.ContextVar[list[Session] | None] = contextvars.ContextVar("calling", default=None)
 _LONG_NUMBER = re.compile(rb"\d{19}")  # every integer outside the 64-bit range has at least 19 digits
 _SLICE = 64 * 1024
+TRIM_BYTES = 1 << 20  # requests from this size on hand their freed heap back
 
 
 def int64_violation(value: Any, path: str = "") -> str | None:
@@ -86,8 +87,9 @@ class Offload:
     """fn(*args), on one of `workers` threads when the request it works on is larger than `limit` bytes (more
     large requests wait their turn), so that one large request does not hold the event loop (and with it
     every other session's calls) while it is prepared: as far as its work lets go of the GIL (the module
-    docstring). The heap such a request used is handed back to the system after it (glibc's malloc_trim:
-    freed memory otherwise stays with the process)."""
+    docstring). The heap a request of `TRIM_BYTES` or more used is handed back to the system after it (glibc's
+    malloc_trim, which walks the heap: not worth it after every 16 KiB body; freed memory otherwise stays with
+    the process)."""
 
     def __init__(self, limit: int, workers: int = 2) -> None:
         self.limit = limit
@@ -97,10 +99,15 @@ class Offload:
         if size <= self.limit:
             return fn(*args)
         context = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(self._threads, _trimmed, context, fn, args)
+        run = _trimmed if size >= TRIM_BYTES else _plain
+        return await asyncio.get_running_loop().run_in_executor(self._threads, run, context, fn, args)
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _plain(context: contextvars.Context, fn: Callable[..., R], args: tuple) -> R:
+    return context.run(fn, *args)
 
 
 def _trimmed(context: contextvars.Context, fn: Callable[..., R], args: tuple) -> R:
