@@ -48,15 +48,23 @@ def test_the_wheel_installs_only_the_stepline_package(wheel: Path) -> None:
     assert "stepline/agents/ui/tasks.py" in names and "stepline/dashboard/static/index.html" in names
 
 
+SDK_FILES = ("agents", "openai_agents")
+
+
 def fresh_venv(path: Path) -> Path:
-    """A new environment that sees this one's packages after its own (a .pth line), so only what is installed
-    into it is new; returns its python."""
+    """A new environment that sees this one's packages after its own (a .pth line to a folder of links), so only
+    what is installed into it is new; returns its python. The links leave out this environment's own Agents SDK
+    (the dev extra installs it), so the SDK the test installs and uninstalls is the only one there."""
     venv.create(path, with_pip=True)
     python = path / "bin" / "python"
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    ours = sysconfig.get_paths()["purelib"]
-    (Path(site) / "outer.pth").write_text(ours + "\n")
+    outer = path / "outer"
+    outer.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(SDK_FILES) and not entry.name.endswith(".pth"):
+            (outer / entry.name).symlink_to(entry)
+    (Path(site) / "outer.pth").write_text(f"{outer}\n")
     return python
 
 
