@@ -128,6 +128,9 @@ def summarise(root: Path, asked_updates: int | None = None, time_bound: str | No
         "weight_version": last.get("weight_version") if last else None,
         "warnings": rl_warnings(len(metrics), asked_updates, rollouts, time_bound),
         "weight_pushes": push_stats(metrics),
+        # calls weight updates cut short, by answer: resumed under the new weights | truncated (0 with the
+        # gateway's partial_rollouts on); None where the run saved no count
+        "calls_cut_by_updates": json.loads(cut.read_text()) if (cut := root / "rl" / "cut_calls.json").is_file() else None,
     }
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from stepline.launch.job import load_job
-from stepline.launch.phases import RunDir, run_files, time_bound
+from stepline.launch.phases import RunDir, run_files, save_cut_calls, time_bound
 from stepline.launch.progress import skip_warning
+from stepline.report import summarise
 
 
 def test_the_files_listed_are_those_that_exist(tmp_path: Path) -> None:
@@ -19,6 +20,20 @@ def test_the_files_listed_are_those_that_exist(tmp_path: Path) -> None:
     # no SFT ran, no update pushed weights, tensorboard off: model-sft/, rl/weights/ and rl/tb/ are not listed
     assert sorted(files) == ["checkpoints", "config", "logs", "metrics_jsonl", "plot", "pool"]
     assert all(Path(p).exists() for p in files.values())
+
+
+def test_the_summary_counts_the_calls_weight_updates_cut(tmp_path: Path) -> None:
+    """Each gateway's /metrics counts (as tests/gateway/test_partial_rollouts.py reads them), added up over the
+    gateways and over the starts of a stopped and resumed job."""
+    run = RunDir(tmp_path)
+    assert summarise(run.root)["calls_cut_by_updates"] is None  # a run that saved no count
+    metrics = ('# TYPE stepline_gateway_cut_calls counter\n'
+               'stepline_gateway_cut_calls_total{answer="resumed"} 3.0\n'
+               'stepline_gateway_cut_calls_created{answer="resumed"} 1.7e+09\n'
+               'stepline_gateway_cut_calls_total{answer="truncated"} 0.0\n')
+    save_cut_calls(run, [metrics, metrics.replace("3.0", "1.0")])  # two gateways
+    save_cut_calls(run, [metrics.replace('truncated"} 0.0', 'truncated"} 2.0')])  # the job started again
+    assert summarise(run.root)["calls_cut_by_updates"] == {"resumed": 7, "truncated": 2}
 
 
 def test_the_time_bound_as_the_job_file_writes_it(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from stepline.launch.wiring import job_system, processes, up_system
 
 POOL = "postgresql://stepline@db/stepline"
 SETTINGS = {"context_length": 512, "session_idle_timeout": 60.0, "engine_dtype": "bfloat16", "prefix_cache_mb": 8.0,
-            "responses_truncated": "completed", "max_session_sequences": 8}
+            "responses_truncated": "completed", "max_session_sequences": 8, "partial_rollouts": False}
 
 
 def local_run_specs(cfg: JobConfig, run: RunDir, policy: Path, pool: str) -> list:
@@ -47,6 +47,7 @@ def test_up_run_and_ray_build_the_same_processes_for_the_same_settings(tmp_path:
     assert gateway[gateway.index("--session-idle-timeout") + 1] == "60.0"
     assert gateway[gateway.index("--responses-truncated") + 1] == "completed"
     assert gateway[gateway.index("--max-session-sequences") + 1] == "8"
+    assert "--no-partial-rollouts" in gateway
     assert gateway[gateway.index("--engine") + 1] == "{url:engine}" and gateway[gateway.index("--pool") + 1] == POOL
     assert ran[1].needs() == ["engine"]
     assert "admin" not in " ".join(gateway) and ran[1].env == {"STEPLINE_ADMIN_TOKEN": "{admin_token}"}
@@ -107,7 +108,7 @@ def test_each_default_is_declared_once() -> None:
     up = defaults(up_command)
     shared = {name: up[name] for name in ServicesSection.model_fields if name in up}
     assert set(shared) == {"engine_url", "engine_kind", "context_length", "startup_timeout_s", "session_idle_timeout",
-                           "responses_truncated", "max_session_sequences"}
+                           "responses_truncated", "max_session_sequences", "partial_rollouts"}
     for name, value in shared.items():
         assert value == ServicesSection.model_fields[name].default, name
     assert up["port"] == GatewaySettings.model_fields["port"].default  # up's gateway listens where the gateway would
@@ -120,5 +121,6 @@ def test_each_default_is_declared_once() -> None:
     svc = ServicesSection.model_fields
     assert svc["session_idle_timeout"].default == GatewaySettings.model_fields["session_idle_timeout"].default
     assert svc["max_session_sequences"].default == GatewaySettings.model_fields["max_session_sequences"].default
+    assert svc["partial_rollouts"].default is GatewaySettings.model_fields["partial_rollouts"].default is True
     assert svc["prefix_cache_mb"].default == EngineOptions.model_fields["prefix_cache_mb"].default
     assert svc["engine_dtype"].default == EngineOptions.model_fields["dtype"].default

@@ -8,8 +8,8 @@ msgpack ext types of `stepline.datapool.wire` (1: int32 LE, 2: float32 LE):
     {"t": "call", "session_id", "call_index", "base_call", "base_len",            in insertion order;
      "new_prompt": int32[], "output": int32[], "logprobs": float32[],            the prompt is the first
      "weight_version", "finish_reason", "api", "sampling", "timings",            base_len tokens of call
-     "request": bin|nil, "response": bin|nil, "digest": bin}                      base_call's prompt+output,
-                                                                                 then new_prompt
+     "version_spans": [[start, version]…] (empty: one version; absent in older   base_call's prompt+output,
+     files), "request": bin|nil, "response": bin|nil, "digest": bin}              then new_prompt
     {"t": "reward", "session_id", "value", "step": int|nil, "name", "weight", "created_at"}
     {"t": "group", "group_id", "group_key", "consumer", "state", "min_version", "created_at"}
     {"t": "end", "sessions": n, "calls": n, "rewards": n, "groups": n}           trailer, last
@@ -31,7 +31,7 @@ import zstandard
 
 from stepline.datapool import wire
 from stepline.datapool.base import InvalidRecord, PoolError
-from stepline.datapool.sql import SESSION_COLUMNS, TERMINAL, SqlPool, _floats, _ids, _session
+from stepline.datapool.sql import SESSION_COLUMNS, TERMINAL, SqlPool, _floats, _ids, _session, spans_of
 from stepline.datapool.tree import StoredCall, replay
 from stepline.datapool.validation import check_session
 
@@ -70,7 +70,7 @@ def _call_record(session_id: str, c: tuple) -> dict[str, Any]:
     return {"t": "call", "session_id": session_id, "call_index": int(index), "base_call": int(base_call),
             "base_len": int(base_len), "new_prompt": _ids(prompt), "output": _ids(output),
             "logprobs": _floats(logprobs), "weight_version": int(version), "finish_reason": finish, "api": api,
-            "sampling": meta["sampling"], "timings": meta["timings"],
+            "sampling": meta["sampling"], "timings": meta["timings"], "version_spans": spans_of(meta),
             "request": None if req is None else bytes(req), "response": None if resp is None else bytes(resp),
             "digest": bytes(digest)}
 
@@ -153,8 +153,9 @@ def _insert_call(pool: SqlPool, cur: Any, current: tuple[int, str] | None, rec: 
         raise PoolError("corrupt export: a call outside its session")
     call = StoredCall(rec["call_index"], rec["base_call"], rec["base_len"], np.asarray(rec["new_prompt"], np.int32),
                       np.asarray(rec["output"], np.int32), np.asarray(rec["logprobs"], np.float32),
-                      rec["weight_version"])
-    extra = msgpack.packb({"sampling": rec["sampling"], "timings": rec["timings"]})
+                      rec["weight_version"], [(int(a), int(v)) for a, v in rec.get("version_spans", ())])
+    extra = msgpack.packb({"sampling": rec["sampling"], "timings": rec["timings"],
+                           **({"version_spans": call.version_spans} if call.version_spans else {})})
     pool._insert_calls(cur, [(current[0], ord_, call.call_index, call.base_call,
                               call.base_len, call.new_prompt.astype("<i4").tobytes(),
                               call.output_ids.astype("<i4").tobytes(), call.output_logprobs.astype("<f4").tobytes(),
@@ -179,7 +180,7 @@ def _finish_session(pool: SqlPool, cur: Any, current: tuple[int, str], stored: l
         replay(current[1], stored)
     except (ValueError, KeyError, IndexError) as exc:
         raise PoolError(f"corrupt export: session {current[1]!r} does not replay ({exc})") from exc
-    versions = [c.weight_version for c in stored]
+    versions = [v for c in stored for _, v in (c.version_spans or [(0, c.weight_version)])]
     pool._x(cur, "UPDATE sessions SET n_calls = ?, min_version = ? WHERE sid = ?",
             (len(stored), min(versions) if versions else None, current[0]))
 

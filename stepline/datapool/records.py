@@ -85,6 +85,15 @@ class CallRecord:
     timings: dict[str, float] = field(default_factory=dict)  # received, dispatched, first_token, done
     request: bytes | None = None  # zstd-compressed orjson of the API request body
     response: bytes | None = None  # zstd-compressed orjson of the API answer
+    # (first output index, version) of each run of tokens one version sampled, in order: a call the weight gate
+    # cut for an update and resumed under the new weights has several (docs/architecture.md, "Weight updates").
+    # Empty (the default, and every call never cut): all its output tokens at `weight_version`.
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """`version_spans`, or the one span of a call sampled by one version."""
+        return [(int(s), int(v)) for s, v in self.version_spans] or [(0, self.weight_version)]
 
 
 @dataclass
@@ -133,13 +142,16 @@ class Step:
     action_start: int
     action_end: int
     behaviour_logprobs: np.ndarray  # float32 [action_end - action_start], as recorded from the engine
-    weight_version: int
+    weight_version: int  # the oldest version among its action tokens (what the staleness bound compares)
     reward: float = 0.0  # dense per-step reward (weighted sum of components); 0 if none posted
     done: bool = False  # True on the trajectory's last step
     finish_reason: str = "stop"
     # sampling temperature of the call (its `sampling["temperature"]`, 1.0 if absent): the engine's
     # logprobs are log_softmax(logits / T), so the trainer divides its logits by the same T
     temperature: float = 1.0
+    # (first index within the action, version) of each run of tokens one version sampled: one entry, unless the
+    # call was resumed across a weight update (CallRecord.version_spans)
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

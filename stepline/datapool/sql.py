@@ -68,7 +68,7 @@ CREATE TABLE IF NOT EXISTS calls (
     base_call INTEGER NOT NULL, base_len INTEGER NOT NULL,
     new_prompt {blob} NOT NULL, output {blob} NOT NULL, logprobs {blob} NOT NULL,
     weight_version INTEGER NOT NULL, finish_reason TEXT NOT NULL, api TEXT NOT NULL,
-    extra {blob} NOT NULL,               -- msgpack map of sampling and timings
+    extra {blob} NOT NULL,               -- msgpack map of sampling, timings (and version_spans if resumed)
     request {blob}, response {blob},
     digest {blob} NOT NULL,              -- blake2b of the full record's tokens (idempotent re-sends)
     PRIMARY KEY (sid, call_index)
@@ -116,7 +116,22 @@ def _digest(r: CallRecord) -> bytes:
         h.update(len(part).to_bytes(8, "little"))
         h.update(np.ascontiguousarray(part).tobytes())
     h.update(r.weight_version.to_bytes(8, "little", signed=True))
+    for start, version in r.version_spans:  # none for a call of one version: its digest is as before spans
+        h.update(start.to_bytes(8, "little") + version.to_bytes(8, "little"))
     return h.digest()
+
+
+def call_extra(r: CallRecord) -> bytes:
+    """`calls.extra`: msgpack of the sampling, timings and (a resumed call's only) version spans."""
+    extra: dict[str, Any] = {"sampling": r.sampling, "timings": r.timings}
+    if r.version_spans:
+        extra["version_spans"] = r.version_spans
+    return msgpack.packb(extra)
+
+
+def spans_of(extra: dict[str, Any]) -> list[tuple[int, int]]:
+    """The version spans a decoded `calls.extra` holds (empty: the call's one version)."""
+    return [(int(s), int(v)) for s, v in extra.get("version_spans", ())]
 
 
 def _ids(data: bytes) -> np.ndarray:
@@ -282,15 +297,17 @@ class SqlPool:
                                         " with different content")
                 continue
             touched.add(sid)
-            ins = tree.insert(r.call_index, r.prompt_ids, r.output_ids, r.output_logprobs, r.weight_version)
+            ins = tree.insert(r.call_index, r.prompt_ids, r.output_ids, r.output_logprobs, r.weight_version,
+                              r.version_spans)
             batch_digests[(sid, r.call_index)] = digest
-            extra = msgpack.packb({"sampling": r.sampling, "timings": r.timings})
+            extra = call_extra(r)
             rows.append((sid, counts[sid], r.call_index, ins.base_call, ins.base_len,
                          ins.new_prompt.astype("<i4").tobytes(), r.output_ids.astype("<i4").tobytes(),
                          r.output_logprobs.astype("<f4").tobytes(), r.weight_version, r.finish_reason, r.api,
                          extra, r.request, r.response, digest))
             counts[sid] += 1
-            versions[sid] = min(versions.get(sid, r.weight_version), r.weight_version)
+            oldest = min(v for _, v in r.spans)
+            versions[sid] = min(versions.get(sid, oldest), oldest)
         return rows, {sid: n for sid, n in counts.items() if sid in versions}, versions
 
     def _insert_calls(self, cur: Any, rows: list[tuple]) -> None:
@@ -309,9 +326,10 @@ class SqlPool:
         tree = self._trees.get(sid)
         if tree is None or len(tree) != n_calls:
             rows = self._x(cur, "SELECT call_index, base_call, base_len, new_prompt, output, logprobs,"
-                           " weight_version FROM calls WHERE sid = ? ORDER BY ord", (sid,)).fetchall()
-            stored = [StoredCall(int(c), int(b), int(n), _ids(p), _ids(o), _floats(lp), int(v))
-                      for c, b, n, p, o, lp, v in rows]
+                           " weight_version, extra FROM calls WHERE sid = ? ORDER BY ord", (sid,)).fetchall()
+            stored = [StoredCall(int(c), int(b), int(n), _ids(p), _ids(o), _floats(lp), int(v),
+                                 spans_of(msgpack.unpackb(extra)))
+                      for c, b, n, p, o, lp, v, extra in rows]
             try:
                 tree = replay(session_id, stored)
             except (ValueError, KeyError, IndexError) as exc:
@@ -456,7 +474,8 @@ class SqlPool:
             meta = msgpack.unpackb(extra)
             out.append(CallRecord(session_id, int(c), full_prompt(tree, int(b), int(n), _ids(p)), _ids(o),
                                   _floats(lp), int(v), fr, api, meta["sampling"], meta["timings"],
-                                  None if req is None else bytes(req), None if resp is None else bytes(resp)))
+                                  None if req is None else bytes(req), None if resp is None else bytes(resp),
+                                  spans_of(meta)))
         return out
 
     def stats(self) -> dict[str, int]:

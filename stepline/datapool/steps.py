@@ -12,7 +12,8 @@ Leaf rules (`LeafRule`):
 
 A call is a step of a trajectory when its whole action lies on the trajectory's path; an action a
 later prompt only partly kept (the harness edited or truncated it) is context (loss mask 0) on the
-paths that keep only part of it. Calls with no output tokens have no step.
+paths that keep only part of it. Calls with no output tokens have no step. A step's `weight_version` is the
+oldest version among its action tokens (a call resumed across a weight update has several: `version_spans`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from stepline.datapool.records import EpisodeData, LeafRule, Reward, SessionInfo, SessionTree, Step, Trajectory
+from stepline.datapool.records import EpisodeData, LeafRule, Node, Reward, SessionInfo, SessionTree, Step, Trajectory
 
 ROOT = -1
 LEAF_RULES: tuple[str, ...] = ("all", "drop_superseded", "main")
@@ -126,19 +127,33 @@ def trajectory(
         start, end = node_path[on_path[acts[0]]][1], node_path[on_path[acts[-1]]][2]
         loss_mask[start:end] = 1
         logprobs[start:end] = np.concatenate([by_id[a].logprobs for a in acts])
+        spans = version_spans([by_id[a] for a in acts])
         steps.append(Step(
             call_index=call, action_start=start, action_end=end,
             behaviour_logprobs=logprobs[start:end].copy(),
-            weight_version=by_id[acts[0]].weight_version,
+            weight_version=min(v for _, v in spans),
             reward=step_rewards.get(call, 0.0),
             finish_reason=(finish_reasons or {}).get(call, "stop"),
             temperature=(temperatures or {}).get(call, 1.0),
+            version_spans=spans,
         ))
     steps.sort(key=lambda s: s.action_start)
     if steps:
         steps[-1].done = True
     return Trajectory(tree.session_id, leaf, tokens.astype(np.int32, copy=False), loss_mask, logprobs,
                       steps, node_path, is_main)
+
+
+def version_spans(acts: list[Node]) -> list[tuple[int, int]]:
+    """(first index within the action, version) of each run of one version along a call's action nodes (a
+    node split by a later prompt keeps its version: runs of one version are merged)."""
+    spans: list[tuple[int, int]] = []
+    start = 0
+    for node in acts:
+        if not spans or spans[-1][1] != node.weight_version:
+            spans.append((start, node.weight_version))
+        start += len(node.tokens)
+    return spans
 
 
 def _step_rewards(rewards: Iterable[Reward]) -> dict[int, float]:

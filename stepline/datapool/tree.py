@@ -17,7 +17,8 @@ tokens of call `base_call`'s prompt + output). Storage keeps only that reference
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -107,8 +108,10 @@ class RadixTree:
         output_ids: np.ndarray,
         output_logprobs: np.ndarray,
         weight_version: int,
+        version_spans: Sequence[tuple[int, int]] = (),
     ) -> Insert:
-        """Add one call. Cost: a vectorised compare along the shared path plus O(new tokens)."""
+        """Add one call. Cost: a vectorised compare along the shared path plus O(new tokens).
+        `version_spans`: (first output index, version) pairs (CallRecord.version_spans; empty: one version)."""
         if call_index in self.calls:
             raise ValueError(f"call {call_index} is already in session {self.session_id!r}")
         prompt = np.asarray(prompt_ids, dtype=np.int32)
@@ -122,10 +125,15 @@ class RadixTree:
             node = self._add(node, "obs", new_prompt, zeros, call_index, NO_VERSION)
         self._prompt_ends.setdefault(node, []).append(call_index)
         output = np.asarray(output_ids, dtype=np.int32)
-        acts = []
-        if len(output):
-            logprobs = np.asarray(output_logprobs, dtype=np.float32)
-            acts.append(self._add(node, "act", output, logprobs, call_index, weight_version))
+        acts: list[int] = []
+        logprobs = np.asarray(output_logprobs, dtype=np.float32)
+        spans = list(version_spans) or [(0, weight_version)]
+        ends = [s for s, _ in spans[1:]] + [len(output)]
+        parent = node
+        for (start, version), end in zip(spans, ends):
+            if end > start:
+                parent = self._add(parent, "act", output[start:end], logprobs[start:end], call_index, int(version))
+                acts.append(parent)
         self.calls[call_index] = (node, acts)
         return Insert(base[0], base[1], new_prompt)
 
@@ -191,6 +199,7 @@ class StoredCall:
     output_ids: np.ndarray  # int32
     output_logprobs: np.ndarray  # float32
     weight_version: int
+    version_spans: list[tuple[int, int]] = field(default_factory=list)  # CallRecord.version_spans
 
 
 def replay(session_id: str, calls: list[StoredCall]) -> RadixTree:
@@ -198,7 +207,7 @@ def replay(session_id: str, calls: list[StoredCall]) -> RadixTree:
     tree = RadixTree(session_id)
     for c in calls:
         prompt = full_prompt(tree, c.base_call, c.base_len, c.new_prompt)
-        got = tree.insert(c.call_index, prompt, c.output_ids, c.output_logprobs, c.weight_version)
+        got = tree.insert(c.call_index, prompt, c.output_ids, c.output_logprobs, c.weight_version, c.version_spans)
         if (got.base_call, got.base_len) != (c.base_call, c.base_len):
             raise ValueError(f"stored call {c.call_index} of {session_id!r} does not replay consistently")
     return tree

@@ -40,7 +40,26 @@ def check_call(r: CallRecord) -> CallRecord:
         raise InvalidRecord(f"{where}: {logprobs.size} logprobs for {output.size} output tokens")
     if logprobs.size and not (np.isfinite(logprobs).all() and float(logprobs.max()) <= 1e-3):
         raise InvalidRecord(f"{where}: logprobs must be finite and <= 0")
-    return CallRecord(**{**r.__dict__, "prompt_ids": prompt, "output_ids": output, "output_logprobs": logprobs})
+    spans = version_spans(r.version_spans, len(output), f"{where}: version_spans")
+    return CallRecord(**{**r.__dict__, "prompt_ids": prompt, "output_ids": output, "output_logprobs": logprobs,
+                         "version_spans": spans})
+
+
+def version_spans(spans: object, n_output: int, what: str) -> list[tuple[int, int]]:
+    """(first output index, version) pairs: the first at 0, starts increasing and inside the output, versions
+    integers >= 0 (empty: the call's one version); or InvalidRecord naming `what`."""
+    if not isinstance(spans, (list, tuple)):
+        raise InvalidRecord(f"{what} must be a list of [first output index, version] pairs")
+    out: list[tuple[int, int]] = []
+    for pair in spans:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pair)):
+            raise InvalidRecord(f"{what}: {pair!r} is not a pair of integers >= 0")
+        out.append((pair[0], pair[1]))
+    starts = [s for s, _ in out]
+    if out and (starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= n_output):
+        raise InvalidRecord(f"{what}: starts {starts} must begin at 0 and increase inside the {n_output} output tokens")
+    return out
 
 
 MAX_REWARD = 1e6  # |value|, |weight| and |value × weight| of one reward at most (pool option max_reward)

@@ -80,8 +80,13 @@ def decode_session(d: dict) -> SessionInfo:
     return SessionInfo(**d)
 
 
+def _pairs(pairs: list) -> list[tuple[int, int]]:
+    """Version spans as tuples (msgpack turns them into lists)."""
+    return [tuple(p) if isinstance(p, list) else p for p in pairs] if isinstance(pairs, list) else pairs
+
+
 def decode_call(d: dict) -> CallRecord:
-    return CallRecord(**d)
+    return CallRecord(**{**d, "version_spans": _pairs(d.get("version_spans", []))})
 
 
 def decode_reward(d: dict) -> Reward:
@@ -94,7 +99,8 @@ def decode_tree(d: dict) -> SessionTree:
 
 
 def decode_trajectory(d: dict) -> Trajectory:
-    d = dict(d, steps=[Step(**s) for s in d["steps"]], node_path=[tuple(p) for p in d["node_path"]])
+    steps = [Step(**{**s, "version_spans": _pairs(s.get("version_spans", []))}) for s in d["steps"]]
+    d = dict(d, steps=steps, node_path=[tuple(p) for p in d["node_path"]])
     return Trajectory(**d)
 
 

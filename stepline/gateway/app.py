@@ -77,7 +77,8 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
                          settings.max_live_sessions)
     metrics = GatewayMetrics(router, recorder, gate)  # this app's own registry
     edge, ledger = Edge(settings, store), Ledger(recorder, metrics)
-    dispatch = Dispatch(router, gate, recorder, settings.retry_after, SequenceLimit(settings.max_session_sequences))
+    dispatch = Dispatch(router, gate, recorder, settings.retry_after, SequenceLimit(settings.max_session_sequences),
+                        settings.partial_rollouts)
     stages = Stages(prompting, dispatch, ledger, edge.offload)
     service = SessionService(store, recorder, router, settings.session_lease)
     app = web.Application(client_max_size=settings.max_body_bytes,

@@ -210,6 +210,10 @@ def http_urls(ctx: click.Context, param: click.Parameter, urls: tuple[str, ...])
 @click.option("--initial-version", default=0, show_default=True, help="Weight version the engines serve at start.")
 @click.option("--update-grace", default=5.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds in-flight calls may run on into a weight update before the engines end them.")
+@click.option("--partial-rollouts/--no-partial-rollouts",
+              default=GatewaySettings.model_fields["partial_rollouts"].default, show_default=True,
+              help="A call a weight update cut short goes on under the new weights and is answered whole (off: "
+              "answered truncated).")
 def gateway_command(
     engines: tuple[str, ...], engine_kind: str, model_dir: Path, pool_url: str, engine_timeout: float, **options: Any
 ) -> None:

@@ -76,7 +76,12 @@ class GatewaySettings(BaseModel):
     max_wait_paused: float = Field(60.0, ge=0, description="seconds a new call is held during a weight update "
                                    "before 503 + Retry-After")
     update_grace: float = Field(5.0, ge=0, description="seconds in-flight calls may run on into a weight update; "
-                                "then the engines end them (finish_reason abort, answered as cut short by length)")
+                                "then the engines end them (finish_reason abort)")
+    partial_rollouts: bool = Field(
+        True, description="a call a weight update cut short goes on under the new weights (prompt + its tokens so "
+        "far, the rest of its max_tokens) and is answered whole, each token recorded with the version that sampled "
+        "it; off: it is answered truncated (finish_reason length) with the old weights' tokens"
+    )
     retry_after: float = Field(1.0, ge=0, description="Retry-After (s) on 503 answers of the gateway itself")
     public_url: str | None = Field(None, description="base URL handed to harnesses; None: from the request's Host")
     responses_truncated: Literal["incomplete", "completed"] = Field(

@@ -22,7 +22,9 @@ the weight gate loads the weights the gateway serves now into it, so every call 
    engine's default mode, and the vLLM adapter's, is `abort`) ends its running requests now, with the
    tokens sampled so far and finish_reason "abort", then resumes at once. Their tokens all come from the
    old weights, so the version stamped at dispatch stays true; a request still on its way to the engine
-   is served and cut short in the next round, once a second, until no call is in flight;
+   is served and cut short in the next round, once a second, until no call is in flight. With partial
+   rollouts (stepline/gateway/frontends/resume.py) the dispatcher knows such a call by `cut_since`, releases
+   its admission and is admitted again, waiting for the new version, to go on from the tokens it has;
 4. asks every engine in rotation to pause, load the checkpoint and resume, then bumps the version and
    reopens. An engine that is down misses the update; when it answers again, the router hands it to
    `resync` first, which loads the current checkpoint into it (unless it already serves that version). The
@@ -139,30 +141,39 @@ class UpdateRefused(Exception):
     """The update request itself is unacceptable (answered 409)."""
 
 
-class _Admission:
-    """`async with gate.admit() as version:` counts the call in flight for its whole duration."""
+class Admission:
+    """`async with gate.admit(units) as version:` counts `units` engine requests in flight until each is
+    `release`d or the block exits; `mark` is the gate's abort rounds at entry (`WeightGate.cut_since`)."""
 
-    __slots__ = ("gate",)
+    __slots__ = ("gate", "held", "mark", "max_wait", "units", "version")
 
-    def __init__(self, gate: WeightGate) -> None:
-        self.gate = gate
+    def __init__(self, gate: WeightGate, units: int, max_wait: float) -> None:
+        self.gate, self.units, self.max_wait = gate, units, max_wait
+        self.held = 0
+        self.mark = gate.cuts
+        self.version = gate.version  # the version stamped at entry
 
     async def __aenter__(self) -> int:
         gate = self.gate
         while not gate._open.is_set():
             try:
-                await asyncio.wait_for(gate._open.wait(), gate.max_wait)
+                await asyncio.wait_for(gate._open.wait(), self.max_wait)
             except TimeoutError:
                 raise Paused(gate.retry_after) from None
-        gate.in_flight += 1
+        gate.in_flight += self.units
         gate._drained.clear()
+        self.held, self.mark, self.version = self.units, gate.cuts, gate.version
         return gate.version
 
+    def release(self) -> None:
+        """One of the units is done (its engine request ended): it no longer holds up an update."""
+        if self.held:
+            self.held -= 1
+            self.gate._leave(1)
+
     async def __aexit__(self, *exc: object) -> None:
-        gate = self.gate
-        gate.in_flight -= 1
-        if gate.in_flight == 0:
-            gate._drained.set()
+        held, self.held = self.held, 0
+        self.gate._leave(held)
 
 
 class WeightGate:
@@ -186,6 +197,10 @@ class WeightGate:
         self.updating = False
         self.last_error: str | None = None
         self.updates: Counter[str] = Counter()  # weight updates by result: ok | failed (the app's metrics)
+        self.cuts = 0  # rounds of abort so far (step 3): a call that ends "abort" after one was cut by an update
+        # calls an update cut, by how they were answered: resumed (under the new weights, at least once) |
+        # truncated (with the tokens sampled so far); counted by the dispatcher, read by the app's metrics
+        self.cut_calls: Counter[str] = Counter()
         self._open = asyncio.Event()
         self._open.set()
         self._drained = asyncio.Event()
@@ -193,10 +208,21 @@ class WeightGate:
         self._swap = asyncio.Lock()  # an update and an engine's catch-up (resync) never interleave
         router.on_recovery = self.resync
 
-    def admit(self) -> _Admission:
-        """Waits while an update runs (<= max_wait, then raises Paused); yields the version stamped
-        at dispatch; counts the call as in flight until the block exits."""
-        return _Admission(self)
+    def admit(self, units: int = 1, max_wait: float | None = None) -> Admission:
+        """Waits while an update runs (<= max_wait, default the gate's, then raises Paused); yields the version
+        stamped at dispatch; counts `units` engine requests (a call's choices) in flight until each is released
+        or the block exits."""
+        return Admission(self, units, self.max_wait if max_wait is None else max_wait)
+
+    def cut_since(self, admission: Admission) -> bool:
+        """Whether a round of abort ran since `admission` entered: its engine request ending "abort" was cut by
+        an update (not by a client that went away, nor by the engine for a reason of its own)."""
+        return self.cuts != admission.mark
+
+    def _leave(self, units: int) -> None:
+        self.in_flight -= units
+        if self.in_flight == 0:
+            self._drained.set()
 
     async def update_weights(self, path: str, version: int) -> int:
         """Pause new calls, drain in-flight ones, update every engine, bump the version, resume."""
@@ -250,6 +276,7 @@ class WeightGate:
         deadline = asyncio.get_running_loop().time() + self.drain_timeout
         while True:
             log.info("weight update: %d calls still running after the grace; the engines end them", self.in_flight)
+            self.cuts += 1
             try:
                 await asyncio.gather(*(c.pause() for c in clients))
             finally:

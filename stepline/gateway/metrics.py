@@ -97,13 +97,19 @@ class _PartsCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         gate, recorder, created = self.gate, self.recorder, self.created
-        yield GaugeMetricFamily("stepline_gateway_in_flight", "Model calls being served now", gate.in_flight)
+        yield GaugeMetricFamily("stepline_gateway_in_flight", "Engine requests (a call's choices) being served now",
+                                gate.in_flight)
         yield GaugeMetricFamily("stepline_gateway_weight_version", "Weight version new calls are stamped with",
                                 gate.version)
         updates = CounterMetricFamily("stepline_gateway_weight_updates", "Weight updates", labels=["result"])
         for result, count in gate.updates.items():  # ok | failed
             updates.add_metric([result], count, created=created)
         yield updates
+        cut = CounterMetricFamily("stepline_gateway_cut_calls", "Engine requests a weight update cut short, by how "
+                                  "they were answered: resumed under the new weights | truncated", labels=["answer"])
+        for answer in ("resumed", "truncated"):
+            cut.add_metric([answer], gate.cut_calls[answer], created=created)
+        yield cut
         yield GaugeMetricFamily("stepline_gateway_record_queue_depth", "Records waiting for the pool",
                                 recorder.depth())
         for name, doc, value in (

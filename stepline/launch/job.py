@@ -141,6 +141,10 @@ class ServicesSection(_Section):
     max_session_sequences: int = Field(
         _gateway_default("max_session_sequences"), ge=0, description="the gateway's: engine sequences (choices x "
         "prompts) one session may have running at once; its further ones wait their turn (0: no limit)")
+    partial_rollouts: bool = Field(
+        _gateway_default("partial_rollouts"), description="the gateway's: a call a weight update cut short goes on "
+        "under the new weights and is answered whole, each token recorded with the version that sampled it (off: "
+        "answered truncated)")
     engine_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         _engine_default("dtype"), description="weights of the built-in engine; auto: bfloat16 where this CPU has "
         "bf16 units")

@@ -10,6 +10,7 @@ with Ctrl-C starts again where it stopped (the trainer resumes from its last che
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from stepline.trainer.config import TrainerConfig
 
 __all__ = ["EVAL_AFTER_GROWTH", "RunDir", "build_base_model", "evaluate_once", "rl_seconds_left", "save_rollouts",
-           "run_files", "smallest_group", "time_bound", "trainer_configs", "warm_start", "warm_started", "write_summary"]
+           "run_files", "save_cut_calls", "smallest_group", "time_bound", "trainer_configs", "warm_start", "warm_started", "write_summary"]
 
 
 class RunDir:
@@ -178,6 +179,23 @@ def save_rollouts(path: Path, rows: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)  # also when the trainer failed before making its folder
     offset = 1 + max((r.get("batch", 0) for r in earlier), default=-1)
     path.write_text(json.dumps(earlier + [{**r, "batch": r.get("batch", 0) + offset} for r in rows], indent=1))
+
+
+_CUT = re.compile(r'^stepline_gateway_cut_calls_total\{answer="(\w+)"\} ([0-9.e+]+)$', re.M)
+
+
+def save_cut_calls(run: RunDir, metrics: list[str]) -> dict[str, int]:
+    """The calls weight updates cut short, by how the gateways answered them (resumed under the new weights |
+    truncated), read from each gateway's /metrics text and added to those an earlier start of the job saved
+    (rl/cut_calls.json, which the summary reports)."""
+    path = run.rl / "cut_calls.json"
+    counts = json.loads(path.read_text()) if path.is_file() else {"resumed": 0, "truncated": 0}
+    for text in metrics:
+        for answer, value in _CUT.findall(text):
+            counts[answer] = counts.get(answer, 0) + int(float(value))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(counts))
+    return counts
 
 
 def time_bound(cfg: JobConfig) -> str | None:

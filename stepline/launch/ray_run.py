@@ -28,7 +28,15 @@ from typing import Any
 import click
 
 from stepline.launch.job import JobConfig, JobError, PartResources
-from stepline.launch.phases import RunDir, evaluate_once, rl_seconds_left, save_rollouts, warm_started, write_summary
+from stepline.launch.phases import (
+    RunDir,
+    evaluate_once,
+    rl_seconds_left,
+    save_cut_calls,
+    save_rollouts,
+    warm_started,
+    write_summary,
+)
 from stepline.launch.wiring import ProcessSpec, job_system, processes
 
 __all__ = ["run_ray_job"]
@@ -248,15 +256,17 @@ def cluster_report(placed: Placed, run: RunDir) -> dict[str, Any]:
     updates, forwarded episodes and parameter digest (rl/ranks.json, written by rank 0 with several ranks)."""
     import ray
 
-    gateways = []
+    gateways, texts = [], []
     for url, part in zip(placed.gateway_urls, placed.gateways, strict=True):
         (_, metrics), (_, health) = ray.get([part.get.remote("/metrics"), part.get.remote("/health")])
         gateways.append({"url": url, "calls": sum(float(v) for v in _CALLS.findall(metrics)),
                          "weight_version": json.loads(health)["weight_version"]})
+        texts.append(metrics)
     engines = []
     for url, part in zip(placed.engine_urls, placed.engines, strict=True):
         (status, body), restarts = ray.get([part.get.remote("/get_model_info"), part.restarts_done.remote()])
         engines.append({"url": url, "restarts": restarts, **(json.loads(body) if status == 200 else {"status": status})})
     ranks = run.rl / "ranks.json"
     trainers = json.loads(ranks.read_text()) if ranks.exists() else []
+    save_cut_calls(run, texts)  # the summary's calls cut by weight updates
     return {"gateways": gateways, "engines": engines, "trainers": trainers, "lost_rollout_workers": placed.lost_workers}

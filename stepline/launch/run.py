@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from stepline.launch.job import JobConfig, JobError, load_job, unused_by_run
-from stepline.launch.phases import RunDir, evaluate_once, rl_seconds_left, save_rollouts, warm_started, write_summary
+from stepline.launch.phases import (
+    RunDir,
+    evaluate_once,
+    rl_seconds_left,
+    save_cut_calls,
+    save_rollouts,
+    warm_started,
+    write_summary,
+)
 from stepline.launch.services import Services
 from stepline.launch.wiring import job_system, processes, start_local
 
@@ -51,7 +59,18 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
             updates = train_rl(cfg, run, rl_cfg)
         with run.phase("eval_after"):
             evaluate_once(cfg, run, gateway_url, token, f"after-{updates}")
+        save_cut_calls(run, [gateway_metrics(gateway_url)])
     return write_summary(cfg, run)
+
+
+def gateway_metrics(url: str) -> str:
+    """The gateway's /metrics text ("" when it does not answer: the summary then counts nothing of it)."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url.rstrip('/')}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return ""
 
 
 

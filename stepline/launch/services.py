@@ -45,6 +45,11 @@ def _option(flag: str, value: object) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
 
+def _flag(name: str, value: bool | None) -> list[str]:
+    """`--name` or `--no-name` of a boolean option pair (none: its default)."""
+    return [] if value is None else [f"--{name}" if value else f"--no-{name}"]
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """`stepline engine`: the built-in engine serving `model`."""
@@ -92,6 +97,7 @@ class GatewaySpec:
     session_lease: float | None = None
     responses_truncated: str | None = None  # None: the gateway's default
     max_session_sequences: int | None = None
+    partial_rollouts: bool | None = None
 
     def to_argv(self) -> list[str]:
         engines = [arg for url in self.engines for arg in ("--engine", url)]
@@ -101,7 +107,8 @@ class GatewaySpec:
                              *_option("--context-length", self.context_length),
                              *_option("--session-lease", self.session_lease),
                              *_option("--responses-truncated", self.responses_truncated),
-                             *_option("--max-session-sequences", self.max_session_sequences))
+                             *_option("--max-session-sequences", self.max_session_sequences),
+                             *_flag("partial-rollouts", self.partial_rollouts))
 
 
 def fill(argv: list[str], values: Mapping[str, str]) -> list[str]:

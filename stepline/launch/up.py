@@ -91,6 +91,7 @@ Ctrl-C stops everything (the gateway flushes its records to the pool first).
 @services_option("--session-idle-timeout", "session_idle_timeout", type=click.FloatRange(min=0, min_open=True))
 @services_option("--responses-truncated", "responses_truncated", type=click.Choice(["incomplete", "completed"]))
 @services_option("--max-session-sequences", "max_session_sequences", type=click.IntRange(min=0))
+@services_option("--partial-rollouts/--no-partial-rollouts", "partial_rollouts")
 def up_command(model_dir: Path, port: int, pool_url: str | None, serve_pool: bool, state_dir: Path,
                admin_token: str | None, dashboard_port: int | None, **settings: Any) -> None:
     """Start engine, pool and gateway together and print how to point an agent at them."""

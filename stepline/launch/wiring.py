@@ -117,7 +117,8 @@ def processes(system: System) -> list[ProcessSpec]:
         gateway = GatewaySpec(tuple(engines[g * share:(g + 1) * share] or engines), system.policy, pool, "{port}",
                               svc.engine_kind, "{host}", spill, svc.session_idle_timeout, svc.context_length,
                               responses_truncated=svc.responses_truncated,
-                              max_session_sequences=svc.max_session_sequences)
+                              max_session_sequences=svc.max_session_sequences,
+                              partial_rollouts=svc.partial_rollouts)
         env = {"STEPLINE_ADMIN_TOKEN": "{admin_token}"}
         if system.serve_pool is not None:
             env["STEPLINE_POOL_TOKEN"] = "{pool_write_token}"

@@ -1,6 +1,7 @@
 """An update during a long stream fails no new call (docs/architecture.md §2.4), through the whole gateway:
-the stream is cut short after the update's grace — answered as truncated (finish_reason length), recorded
-with finish_reason abort and the version that sampled it — and the calls that arrive meanwhile are held,
+with partial rollouts off, the stream is cut short after the update's grace — answered as truncated
+(finish_reason length), recorded with finish_reason abort and the version that sampled it (on, it goes on under
+the new weights: tests/gateway/test_partial_rollouts.py) — and the calls that arrive meanwhile are held,
 then served and recorded under the new version. The engine side of it, against every engine, is in
 tests/engines/test_contract.py."""
 
@@ -23,7 +24,8 @@ async def test_new_calls_during_an_update_are_held_and_the_long_stream_is_cut_sh
     # 400 tokens 20 ms apart: the stream would run 6 s; the update's grace is 0.1 s
     fake = FakeEngine(eos_id=tok.token_to_id(END), default_tokens=400, token_delay=0.02,
                       decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
-    async with fake as url, serve(tiny_model_dir, [url], tmp_path, update_grace=0.1, max_wait_paused=60) as served:
+    async with fake as url, serve(tiny_model_dir, [url], tmp_path, update_grace=0.1, max_wait_paused=60,
+                                         partial_rollouts=False) as served:
         sessions = [await served.session(task=f"t{i}") for i in range(4)]
         auth = [{"Authorization": f"Bearer {s['api_key']}"} for s in sessions]
         base = [s["openai_base_url"] for s in sessions]

@@ -49,11 +49,15 @@ class Generation:
     matched_stop: int | str | None  # the stop token id or stop string that ended it, if any
     prompt_tokens: int
     weight_version: int  # the version the engine reports (or the adapter last installed)
+    # (first output index, version) of each run of tokens one version sampled, set by the gateway on a generation
+    # it resumed across a weight update (stepline/gateway/frontends/resume.py); empty: the version stamped at dispatch
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:
         """Cut short: by the token budget ("length"), or by the engine ("abort": e.g. a weight update ended
-        it, stepline/gateway/fleet.py). Both are answered as the API's truncation (length, max_tokens, incomplete)."""
+        it, stepline/gateway/fleet.py, with partial rollouts off). Both are answered as the API's truncation
+        (length, max_tokens, incomplete)."""
         return self.finish_reason in ("length", "abort")
 
 

@@ -1,6 +1,6 @@
 """Dispatch: one model call to the engine, whole or streamed, and the engine's failures as API errors.
 
-    Dispatch(router, gate, recorder, retry_after, limit)
+    Dispatch(router, gate, recorder, retry_after, limit, partial_rollouts)
         generate(ex)     -> one Generation per choice (n engine requests, concurrently)
         open_stream(ex)  -> EngineStream: (choice, delta) as the engine produces them; n streams merged
         engine_error(exc, engine) -> ApiError (an unreachable engine is routed around)
@@ -9,7 +9,8 @@ The weight gate (stepline.gateway.fleet) stamps each call with the version that 
 the session's engine. A fork before its branch point is answered from the source's recorded calls instead
 (stepline.gateway.forks). With the record queue full, a call is refused with a ready-made 503 before it
 reaches the engine. Each engine request (one choice) takes one of its session's sequence slots first
-(stepline.gateway.fairness): a session's sequences beyond the limit wait their turn.
+(stepline.gateway.fairness): a session's sequences beyond the limit wait their turn. With partial rollouts, a
+choice a weight update cut short goes on under the new weights (stepline.gateway.frontends.resume).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from stepline.gateway.fleet import EngineRouter, Paused, WeightGate
 from stepline.gateway.forks import Replayed
 from stepline.gateway.frontends.errors import ApiError
 from stepline.gateway.frontends.exchange import Exchange, now
+from stepline.gateway.frontends.resume import MAX_RESUMES, Resumer
+from stepline.gateway.frontends.streams import aclose, in_slot, indexed, merge
 from stepline.gateway.recorder import Recorder
 from stepline.gateway.sessions import Session
 
@@ -40,10 +43,12 @@ class Dispatch:
     """The engine side of a call: admission by the weight gate, the session's engine, engine errors."""
 
     def __init__(self, router: EngineRouter, gate: WeightGate, recorder: Recorder, retry_after: float,
-                 limit: SequenceLimit | None = None) -> None:
+                 limit: SequenceLimit | None = None, partial_rollouts: bool = True) -> None:
         self.router = router
         self.limit = limit or SequenceLimit(0)  # a session's engine sequences running at once
         self.gate = gate
+        # a choice cut by a weight update goes on under the new weights (0 resumes: answered truncated)
+        self.resumer = Resumer(gate, router, self.limit, MAX_RESUMES if partial_rollouts else 0)
         self.recorder = recorder  # asked only whether its queue has room
         self.retry_after = retry_after
         self._overloaded = ApiError(503, "the gateway's record queue is full; retry shortly", retry_after=retry_after)
@@ -60,14 +65,17 @@ class Dispatch:
         ids, samplings = cast("list[int]", ex.prompt.ids), ex.samplings
         engine = None
         ex.timings["dispatched"] = now()
+        admission = self.gate.admit(len(samplings))  # one unit per engine request, released as each ends
         try:
-            async with self.gate.admit() as ex.version:
+            async with admission as ex.version:
                 sid = ex.session.info.session_id
                 engine = self.router.for_session(sid)
 
                 async def one(sampling: SamplingParams) -> Generation:
                     async with self.limit.slot(sid):
-                        return await engine.generate(ids, sampling)
+                        gen = await engine.generate(ids, sampling)
+                    admission.release()
+                    return await self.resumer.whole(sid, ex.prompt.ids, sampling, gen, admission)
 
                 if len(samplings) == 1:
                     return [await one(samplings[0])]
@@ -86,7 +94,7 @@ class Dispatch:
         if not self.recorder.has_capacity():
             raise self._overloaded
         ids = cast("list[int]", ex.prompt.ids)  # an int32 array: the adapters serialise it natively
-        admit = self.gate.admit()
+        admit = self.gate.admit(len(ex.samplings))  # one unit per engine request, released as each ends
         engine = None
         ex.timings["dispatched"] = now()
         try:
@@ -96,8 +104,9 @@ class Dispatch:
         try:
             sid = ex.session.info.session_id
             engine = self.router.for_session(sid)
-            streams = [_in_slot(self.limit, sid, engine.stream(ids, s)) for s in ex.samplings]
-            merged = _indexed(streams[0]) if len(streams) == 1 else _merge(streams)
+            streams = [self.resumer.stream(sid, ex.prompt.ids, s, in_slot(self.limit, sid, engine.stream(ids, s)), admit)
+                       for s in ex.samplings]
+            merged = indexed(streams[0]) if len(streams) == 1 else merge(streams)
             first = await anext(merged, None)
             if first is None:
                 raise EngineError("the engine's stream ended without any output")
@@ -170,63 +179,6 @@ class EngineStream:
 
     async def aclose(self) -> None:
         try:
-            await _aclose(self._rest)
+            await aclose(self._rest)
         finally:
             await self._admit.__aexit__(None, None, None)
-
-
-async def _in_slot(limit: SequenceLimit, session_id: str,
-                   stream: AsyncIterator[StreamDelta]) -> AsyncIterator[StreamDelta]:
-    """`stream` once a sequence slot of the session is free, holding the slot until it ends."""
-    async with limit.slot(session_id):
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            await _aclose(stream)
-
-
-async def _indexed(stream: AsyncIterator[StreamDelta]) -> AsyncIterator[tuple[int, StreamDelta]]:
-    try:
-        async for delta in stream:
-            yield 0, delta
-    finally:
-        await _aclose(stream)
-
-
-async def _merge(streams: list[AsyncIterator[StreamDelta]]) -> AsyncIterator[tuple[int, StreamDelta]]:
-    """Interleave n streams as their chunks arrive; the first failure ends them all."""
-    queue: asyncio.Queue[tuple[int, StreamDelta | None, BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[StreamDelta]) -> None:
-        try:
-            async for delta in stream:
-                await queue.put((index, delta, None))
-        except Exception as exc:  # handed to the consumer, which re-raises it
-            await queue.put((index, None, exc))
-            return
-        await queue.put((index, None, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        running = len(tasks)
-        while running:
-            index, delta, error = await queue.get()
-            if error is not None:
-                raise error
-            if delta is None:
-                running -= 1
-                continue
-            yield index, delta
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
-            await _aclose(stream)
-
-
-async def _aclose(stream: Any) -> None:
-    close = getattr(stream, "aclose", None)
-    if close is not None:
-        await close()

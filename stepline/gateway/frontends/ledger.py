@@ -69,6 +69,7 @@ class Ledger:
             timings=ex.timings,
             request=ex.raw,
             response=orjson.dumps(answer),
+            version_spans=gen.version_spans,
         )
         done = self.recorder.record_call(record, compress=True)
         if done is not None and (unsynced := UNSYNCED.get(None)) is not None:
