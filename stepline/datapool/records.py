@@ -10,6 +10,7 @@ on the wire and on disk.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -85,6 +86,27 @@ class CallRecord:
     timings: dict[str, float] = field(default_factory=dict)  # received, dispatched, first_token, done
     request: bytes | None = None  # zstd-compressed orjson of the API request body
     response: bytes | None = None  # zstd-compressed orjson of the API answer
+    # The delta form (what the gateway sends for a turn that extends an earlier call; docs/architecture.md,
+    # "Recording a turn as a delta"): parent >= 0 means the prompt is the first `prefix_len` ids of call
+    # `parent`'s prompt + output (same session) followed by `prompt_ids`, and `prefix_check` is
+    # `prefix_check(prompt[:prefix_len])`. -1: `prompt_ids` is the whole prompt (what the pool hands back).
+    parent: int = -1
+    prefix_len: int = 0
+    prefix_check: int = 0
+
+    @property
+    def is_delta(self) -> bool:
+        return self.parent >= 0
+
+
+PREFIX_CHECK_IDS = 64  # the ids at the end of a delta's prefix that `prefix_check` covers
+
+
+def prefix_check(prefix: np.ndarray) -> int:
+    """crc32 of the last `PREFIX_CHECK_IDS` ids of a delta's prefix (packed int32): the pool compares it with
+    its own copy of the parent's ids, so a delta against the wrong parent is refused, at a cost that does not
+    grow with the context."""
+    return zlib.crc32(np.ascontiguousarray(prefix[-PREFIX_CHECK_IDS:], dtype="<i4").tobytes())
 
 
 @dataclass

@@ -42,7 +42,7 @@ from stepline.datapool.records import (
     legacy_purpose,
 )
 from stepline.datapool.steps import LEAF_RULES, build_episode
-from stepline.datapool.tree import RadixTree, StoredCall, full_prompt, replay
+from stepline.datapool.tree import RadixTree, StoredCall, delta_prompt, full_prompt, replay
 from stepline.datapool.validation import MAX_REWARD, check_call, check_end_status, check_reward, check_session
 
 SCHEMA_VERSION = 3  # 2: sessions.purpose, 3: sessions.lease_until (older pools are migrated when opened writable)
@@ -116,6 +116,9 @@ def _digest(r: CallRecord) -> bytes:
         h.update(len(part).to_bytes(8, "little"))
         h.update(np.ascontiguousarray(part).tobytes())
     h.update(r.weight_version.to_bytes(8, "little", signed=True))
+    if r.is_delta:  # a delta is digested as sent: its prefix is its parent's, digested with the parent
+        for n in (r.parent, r.prefix_len, r.prefix_check):
+            h.update(n.to_bytes(8, "little", signed=True))
     return h.digest()
 
 
@@ -282,7 +285,7 @@ class SqlPool:
                                         " with different content")
                 continue
             touched.add(sid)
-            ins = tree.insert(r.call_index, r.prompt_ids, r.output_ids, r.output_logprobs, r.weight_version)
+            ins = tree.insert(r.call_index, self._prompt(tree, r), r.output_ids, r.output_logprobs, r.weight_version)
             batch_digests[(sid, r.call_index)] = digest
             extra = msgpack.packb({"sampling": r.sampling, "timings": r.timings})
             rows.append((sid, counts[sid], r.call_index, ins.base_call, ins.base_len,
@@ -292,6 +295,17 @@ class SqlPool:
             counts[sid] += 1
             versions[sid] = min(versions.get(sid, r.weight_version), r.weight_version)
         return rows, {sid: n for sid, n in counts.items() if sid in versions}, versions
+
+    @staticmethod
+    def _prompt(tree: RadixTree, r: CallRecord) -> np.ndarray:
+        """The call's whole prompt (a delta's rebuilt from its parent in the tree, or InvalidRecord)."""
+        if not r.is_delta:
+            return r.prompt_ids
+        try:
+            return delta_prompt(tree, r)
+        except ValueError as exc:
+            raise InvalidRecord(f"call {r.call_index} of session {r.session_id!r} is a delta that cannot be "
+                                f"rebuilt: {exc}") from None
 
     def _insert_calls(self, cur: Any, rows: list[tuple]) -> None:
         if rows:

@@ -33,6 +33,7 @@ def check_call(r: CallRecord) -> CallRecord:
         raise InvalidRecord(f"{where}: call_index must be an integer >= 0")
     if not isinstance(r.weight_version, int) or r.weight_version < 0:
         raise InvalidRecord(f"{where}: weight_version must be an integer >= 0, got {r.weight_version!r}")
+    check_delta(r, where)
     prompt = token_ids(r.prompt_ids, f"{where}: prompt_ids")
     output = token_ids(r.output_ids, f"{where}: output_ids")
     logprobs = np.asarray(r.output_logprobs, dtype=np.float32)
@@ -41,6 +42,21 @@ def check_call(r: CallRecord) -> CallRecord:
     if logprobs.size and not (np.isfinite(logprobs).all() and float(logprobs.max()) <= 1e-3):
         raise InvalidRecord(f"{where}: logprobs must be finite and <= 0")
     return CallRecord(**{**r.__dict__, "prompt_ids": prompt, "output_ids": output, "output_logprobs": logprobs})
+
+
+def check_delta(r: CallRecord, where: str) -> None:
+    """The delta fields alone (whether the pool holds the parent is the pool's check): a full prompt has
+    parent -1 and prefix_len 0; a delta names an earlier call and at least one id of it."""
+    for name in ("parent", "prefix_len", "prefix_check"):
+        if not isinstance(getattr(r, name), int) or isinstance(getattr(r, name), bool):
+            raise InvalidRecord(f"{where}: {name} must be an integer, got {getattr(r, name)!r}")
+    if r.parent == -1 and r.prefix_len == 0:
+        return
+    if not 0 <= r.parent < r.call_index:
+        raise InvalidRecord(f"{where}: parent must be an earlier call's index (0..{r.call_index - 1}) or -1, "
+                            f"got {r.parent}")
+    if not 0 < r.prefix_len <= INT32_MAX:
+        raise InvalidRecord(f"{where}: prefix_len must be at least 1 for a delta of call {r.parent}, got {r.prefix_len}")
 
 
 MAX_REWARD = 1e6  # |value|, |weight| and |value × weight| of one reward at most (pool option max_reward)

@@ -9,7 +9,8 @@ with one `pool.add_calls` per batch.
 Failure policy:
 - the pool refuses a record as invalid (`PoolError`: InvalidRecord, UnknownSession, ReadOnlyPool):
   a batch is retried record by record so only the bad ones are refused; a refused call is counted and
-  logged (never silently dropped); a refused session / reward / end raises in its waiting caller.
+  logged (never silently dropped); a refused session / reward / end raises in its waiting caller. A refused
+  delta (a turn recorded as the ids it adds to an earlier call, which the pool lacks) is sent again whole.
 - the pool is unavailable for now (`stepline.datapool.base.is_unavailable`: the service unreachable, the database
   locked, a lost connection): the batch stays at the head of the queue and is retried with exponential
   backoff capped at `max_backoff` s. The queue keeps filling meanwhile; `has_capacity()` turns False at
@@ -41,9 +42,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+import numpy as np
 import zstandard
 from typing_extensions import TypedDict, Unpack
 
@@ -62,6 +64,7 @@ class _Item:
     done: Future[Any] | None = None  # set when the pool has committed it (a call: or when it is spilled)
     compress: bool = False  # a call whose request/response are still raw JSON: zstd them in the worker
     spilled: bool = False  # a call already in the spill file
+    full_prompt: Any = None  # a delta call's whole prompt (int32 array): sent in full if the pool refuses the delta
 
 
 class Tuning(TypedDict, total=False):
@@ -141,15 +144,17 @@ class Recorder:
     def has_capacity(self) -> bool:
         return self.failure is None and self.depth() < self.max_queue
 
-    def record_call(self, record: CallRecord, compress: bool = False) -> Future[None] | None:
+    def record_call(self, record: CallRecord, compress: bool = False,
+                    full_prompt: np.ndarray | None = None) -> Future[None] | None:
         """Queue a call record; never blocks (check `has_capacity()` before dispatching). With a spill
         file, returns a future set once the call is durable (in the pool or the spill file): answer the
         harness after it.
 
         compress=True: `record.request` / `record.response` are raw JSON bytes, and the worker thread
-        zstd-compresses them (as `CallRecord` stores them) off the event loop."""
+        zstd-compresses them (as `CallRecord` stores them) off the event loop. full_prompt: a delta record's
+        whole prompt, sent instead if the pool refuses the delta (its parent lost or refused)."""
         done: Future[None] | None = None if self.spill is None else Future()
-        self._inbox.put(_Item("call", record, done, compress=compress))
+        self._inbox.put(_Item("call", record, done, compress=compress, full_prompt=full_prompt))
         return done
 
     async def create_session(self, info: SessionInfo) -> None:
@@ -318,7 +323,7 @@ class Recorder:
         if head.kind == "call":
             for item in batch:
                 _compress_item(self._zstd, item)
-            self._write_calls([item.payload for item in batch])
+            self._write_calls(batch)
             return
         if head.kind == "read":
             self._read(head)
@@ -355,35 +360,37 @@ class Recorder:
         if head.done is not None and not head.done.done():
             head.done.set_result(result)
 
-    def _write_calls(self, records: list[CallRecord]) -> None:
+    def _write_calls(self, items: list[_Item]) -> None:
         try:
-            self.pool.add_calls(records)
+            self.pool.add_calls([item.payload for item in items])
         except PoolError as exc:
             if isinstance(exc, PoolCorrupt) or is_unavailable(exc):
                 raise  # not a refusal of these records: an outage, or a damaged pool
-            if len(records) == 1:
-                self._refuse(records[0])
+            if len(items) == 1:
+                self._refuse(items[0], exc)
                 return
         else:
-            self._pop(len(records))
-            self._count_written(len(records))
+            self._pop(len(items))
+            self._count_written(len(items))
             return
         # one bad record fails the whole (atomic) batch: write one by one to keep the good ones
-        for record in records:
-            try:
-                self.pool.add_calls([record])
-            except PoolError as exc:
-                if isinstance(exc, PoolCorrupt) or is_unavailable(exc):
-                    raise
-                self._refuse(record)
-            else:
-                self._pop(1)
-                self._count_written(1)
+        for item in items:
+            self._write_calls([item])
 
-    def _refuse(self, record: CallRecord) -> None:
+    def _refuse(self, item: _Item, exc: PoolError) -> None:
+        """A refused delta goes again with its whole prompt (its parent may be what the pool refused, or lost);
+        any other refused call is dropped, counted and logged."""
+        record = item.payload
+        if item.full_prompt is not None:
+            log.warning("pool refused call %s/%d as a delta (%s); sending its whole prompt",
+                        record.session_id, record.call_index, exc)
+            item.payload = replace(record, prompt_ids=item.full_prompt, parent=-1, prefix_len=0, prefix_check=0)
+            item.full_prompt = None
+            self._write_calls([item])
+            return
         self._pop(1)
         self.dropped += 1
-        log.error("pool refused call %s/%d as invalid; not recorded", record.session_id, record.call_index)
+        log.error("pool refused call %s/%d as invalid (%s); not recorded", record.session_id, record.call_index, exc)
 
     def _count_written(self, n: int) -> None:
         self.written += n

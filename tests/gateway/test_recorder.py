@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 
 from stepline.datapool import open_pool
 from stepline.datapool.base import InvalidRecord, UnknownSession
-from stepline.datapool.records import CallRecord, Reward, SessionInfo
+from stepline.datapool.records import CallRecord, Reward, SessionInfo, prefix_check
 from stepline.gateway.recorder import Recorder
 
 
@@ -296,3 +297,33 @@ async def test_a_locked_database_is_an_outage_and_is_retried() -> None:
     await recorder.aclose()
     assert calls == 2 and recorder.pool_errors == 1 and recorder.failure is None
     assert pool.ops == [("call", 0)]
+
+
+def as_delta(record: CallRecord, parent: CallRecord) -> CallRecord:
+    """`record` sent as the gateway sends a turn: a delta of `parent`'s whole prompt + output."""
+    prefix = np.concatenate([parent.prompt_ids, parent.output_ids])
+    assert record.prompt_ids[: len(prefix)].tolist() == prefix.tolist()
+    return replace(record, prompt_ids=record.prompt_ids[len(prefix):], parent=parent.call_index,
+                   prefix_len=len(prefix), prefix_check=prefix_check(prefix))
+
+
+async def test_a_refused_delta_is_sent_whole_and_only_then_dropped(tmp_path: Path, caplog) -> None:
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
+    recorder = Recorder(pool)
+    await recorder.start()
+    await recorder.create_session(SessionInfo("s", "task", "h"))
+    c0, c1, c2 = call("s", 0), call("s", 1), call("s", 2)
+    c1.prompt_ids = np.concatenate([c0.prompt_ids, c0.output_ids, [9]]).astype(np.int32)
+    c2.prompt_ids = np.concatenate([c1.prompt_ids, c1.output_ids, [10]]).astype(np.int32)
+    c0.output_logprobs = np.array([0.5, -0.1], np.float32)  # refused (a logprob above 0): call 1's parent is lost
+    with caplog.at_level(logging.WARNING, logger="stepline.gateway.recorder"):
+        recorder.record_call(c0)
+        recorder.record_call(as_delta(c1, c0), full_prompt=c1.prompt_ids)
+        recorder.record_call(as_delta(c2, c1), full_prompt=c2.prompt_ids)  # its parent is in the pool now
+        recorder.record_call(replace(as_delta(c2, c1), call_index=3, parent=0))  # no whole prompt to fall back on
+        await recorder.flush()
+    assert (recorder.written, recorder.dropped) == (2, 2)
+    assert "pool refused call s/1 as a delta" in caplog.text and "not in the pool" in caplog.text
+    assert [c.prompt_ids.tolist() for c in pool.get_calls("s")] == [c1.prompt_ids.tolist(), c2.prompt_ids.tolist()]
+    await recorder.aclose()
+    pool.close()

@@ -6,13 +6,14 @@ report); these tests pin that each acknowledged call reaches the pool once, afte
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from stepline.datapool import open_pool
-from stepline.datapool.records import CallRecord, SessionInfo
+from stepline.datapool.records import CallRecord, SessionInfo, prefix_check
 from stepline.gateway.recorder import Recorder
 from stepline.gateway.spill import Spill, SpillInUse
 
@@ -201,3 +202,43 @@ async def test_a_full_pool_disk_fails_creates_fast_says_degraded_and_spills_the_
             await served.flush()
             assert len(served.calls(s["session_id"])) == 8
             assert (await c.get("/health")).json()["status"] == "ok"
+
+
+def turns(session: str, n: int) -> tuple[list[CallRecord], list[CallRecord]]:
+    """n turns, each the last one's prompt + answer + two new ids: whole, and as the gateway sends them (deltas)."""
+    whole: list[CallRecord] = []
+    prompt = np.arange(100, 180, dtype=np.int32)
+    for i in range(n):
+        whole.append(replace(call(session, i), prompt_ids=prompt, output_ids=np.array([7, 8 + i], np.int32)))
+        prompt = np.concatenate([prompt, whole[-1].output_ids, [50 + i, 51 + i]]).astype(np.int32)
+    deltas = whole[:1]
+    for parent, record in zip(whole, whole[1:]):
+        prefix = np.concatenate([parent.prompt_ids, parent.output_ids])
+        deltas.append(replace(record, prompt_ids=record.prompt_ids[len(prefix):], parent=parent.call_index,
+                              prefix_len=len(prefix), prefix_check=prefix_check(prefix)))
+    return whole, deltas
+
+
+async def test_spilled_deltas_replay_into_the_calls_recorded_whole(tmp_path: Path) -> None:
+    """Turn 1 reached the pool, turns 2-4 (deltas, each of the one before) only the spill file: after the restart
+    the pool holds the same session as one recorded whole."""
+    whole, deltas = turns("s", 4)
+    pool = Flaky(tmp_path / "pool.db")
+    first = recorder(pool, tmp_path / "gw.spill")
+    await first.start()
+    await first.create_session(SessionInfo("s", "t", "h"))
+    first.record_call(deltas[0], compress=True)
+    await first.flush()
+    pool.down = True
+    acks = [first.record_call(d, compress=True, full_prompt=w.prompt_ids) for w, d in zip(whole[1:], deltas[1:])]
+    await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(a) for a in acks if a)), 10)
+    await asyncio.wait_for(first.aclose(), 10)
+    pool.down = False
+    again = recorder(pool, tmp_path / "gw.spill")
+    await again.start()
+    await again.flush()
+    await again.aclose()
+    assert (again.replayed, again.dropped) == (3, 0)
+    got = pool.pool.get_calls("s")
+    assert [(c.prompt_ids.tolist(), c.output_ids.tolist(), c.parent) for c in got] == [
+        (w.prompt_ids.tolist(), w.output_ids.tolist(), -1) for w in whole]

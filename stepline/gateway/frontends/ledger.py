@@ -22,12 +22,13 @@ from typing import Any
 import numpy as np
 import orjson
 
-from stepline.datapool.records import CallRecord
+from stepline.datapool.records import CallRecord, prefix_check
 from stepline.gateway.engines import Generation, SamplingParams
 from stepline.gateway.forks import Replayed
 from stepline.gateway.frontends.exchange import Choice, Exchange
 from stepline.gateway.metrics import GatewayMetrics
 from stepline.gateway.recorder import Recorder
+from stepline.gateway.sessions import Prompt
 
 __all__ = ["UNSYNCED", "Ledger", "Remember", "sampling_dict"]
 
@@ -56,10 +57,11 @@ class Ledger:
             ex.session.next_call = max(ex.session.next_call, gen.call_index + 1)
             return gen.call_index
         index = ex.session.take_call_index()
+        parent, prefix_len = delta_of(ex.prompt)
         record = CallRecord(
             session_id=ex.session.info.session_id,
             call_index=index,
-            prompt_ids=ex.prompt.ids,
+            prompt_ids=ex.prompt.ids[prefix_len:],
             output_ids=np.asarray(gen.output_ids, dtype=np.int32),
             output_logprobs=np.asarray(gen.logprobs, dtype=np.float32),
             weight_version=ex.version,
@@ -69,8 +71,11 @@ class Ledger:
             timings=ex.timings,
             request=ex.raw,
             response=orjson.dumps(answer),
+            parent=parent,
+            prefix_len=prefix_len,
+            prefix_check=prefix_check(ex.prompt.ids[:prefix_len]) if prefix_len else 0,
         )
-        done = self.recorder.record_call(record, compress=True)
+        done = self.recorder.record_call(record, compress=True, full_prompt=ex.prompt.ids if prefix_len else None)
         if done is not None and (unsynced := UNSYNCED.get(None)) is not None:
             unsynced.append(done)
         return index
@@ -91,6 +96,15 @@ class Ledger:
             self.metrics.observe_call(ex.api, stream, gen.finish_reason, timings["done"] - timings["received"],
                                       prompt_tokens=len(ex.prompt.ids), completion_tokens=len(gen.output_ids),
                                       first_token_seconds=first)
+
+
+def delta_of(prompt: Prompt) -> tuple[int, int]:
+    """(parent call, prefix length) of a prompt that begins with a recorded call's prompt + output (its record
+    carries only the ids after them; docs/architecture.md, "Recording a turn as a delta"), else (-1, 0)."""
+    base = prompt.base
+    if base is None or base.call < 0 or base.recorded == 0:
+        return -1, 0
+    return base.call, min(base.recorded, prompt.reused)
 
 
 def sampling_dict(s: SamplingParams) -> dict[str, Any]:
