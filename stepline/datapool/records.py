@@ -89,10 +89,13 @@ class CallRecord:
     # The delta form (what the gateway sends for a turn that extends an earlier call; docs/architecture.md,
     # "Recording a turn as a delta"): parent >= 0 means the prompt is the first `prefix_len` ids of call
     # `parent`'s prompt + output (same session) followed by `prompt_ids`, and `prefix_check` is
-    # `prefix_check(prompt[:prefix_len])`. -1: `prompt_ids` is the whole prompt (what the pool hands back).
+    # `prefix_check(prompt[:prefix_len])`; request_prefix > 0 means the request body is the first
+    # `request_prefix` bytes of the parent's body followed by what `request` holds (zstd, its size in the frame).
+    # -1 / 0: `prompt_ids` and `request` are whole (what the pool hands back).
     parent: int = -1
     prefix_len: int = 0
     prefix_check: int = 0
+    request_prefix: int = 0
 
     @property
     def is_delta(self) -> bool:

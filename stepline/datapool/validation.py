@@ -47,9 +47,11 @@ def check_call(r: CallRecord) -> CallRecord:
 def check_delta(r: CallRecord, where: str) -> None:
     """The delta fields alone (whether the pool holds the parent is the pool's check): a full prompt has
     parent -1 and prefix_len 0; a delta names an earlier call and at least one id of it."""
-    for name in ("parent", "prefix_len", "prefix_check"):
+    for name in ("parent", "prefix_len", "prefix_check", "request_prefix"):
         if not isinstance(getattr(r, name), int) or isinstance(getattr(r, name), bool):
             raise InvalidRecord(f"{where}: {name} must be an integer, got {getattr(r, name)!r}")
+    if r.request_prefix and (r.parent < 0 or r.request is None or r.request_prefix < 0):
+        raise InvalidRecord(f"{where}: request_prefix {r.request_prefix} needs a parent call and a request")
     if r.parent == -1 and r.prefix_len == 0:
         return
     if not 0 <= r.parent < r.call_index:

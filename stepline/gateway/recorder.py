@@ -50,7 +50,7 @@ import zstandard
 from typing_extensions import TypedDict, Unpack
 
 from stepline.datapool.base import Pool, PoolCorrupt, PoolError, PoolFull, is_unavailable
-from stepline.datapool.records import CallRecord, Reward, SessionInfo
+from stepline.datapool.records import CallRecord, Reward, SessionInfo, prefix_check
 from stepline.gateway.spill import Spill
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,20 @@ class _Item:
     done: Future[Any] | None = None  # set when the pool has committed it (a call: or when it is spilled)
     compress: bool = False  # a call whose request/response are still raw JSON: zstd them in the worker
     spilled: bool = False  # a call already in the spill file
-    full_prompt: Any = None  # a delta call's whole prompt (int32 array): sent in full if the pool refuses the delta
+    delta: Delta | None = None  # send the call as a delta of an earlier call (made in the worker)
+    # once `payload` is the delta: the call in whole form (sent if the delta is refused), and whether its bodies are raw
+    whole: tuple[CallRecord, bool] | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """How a call extends an earlier recorded call of its session (docs/architecture.md, "Recording a turn as a
+    delta"): sent as the ids after that call's first `prefix_len` (`CallRecord.parent`), and with its parent's raw
+    request body, as the bytes of its own after their common prefix."""
+
+    parent: int  # the earlier call's index
+    prefix_len: int  # how many ids of its prompt + output the call's prompt starts with
+    parent_request: bytes | None = None  # its raw request body (None: the call's body is sent whole)
 
 
 class Tuning(TypedDict, total=False):
@@ -144,17 +157,16 @@ class Recorder:
     def has_capacity(self) -> bool:
         return self.failure is None and self.depth() < self.max_queue
 
-    def record_call(self, record: CallRecord, compress: bool = False,
-                    full_prompt: np.ndarray | None = None) -> Future[None] | None:
+    def record_call(self, record: CallRecord, compress: bool = False, delta: Delta | None = None) -> Future[None] | None:
         """Queue a call record; never blocks (check `has_capacity()` before dispatching). With a spill
         file, returns a future set once the call is durable (in the pool or the spill file): answer the
         harness after it.
 
         compress=True: `record.request` / `record.response` are raw JSON bytes, and the worker thread
-        zstd-compresses them (as `CallRecord` stores them) off the event loop. full_prompt: a delta record's
-        whole prompt, sent instead if the pool refuses the delta (its parent lost or refused)."""
+        zstd-compresses them (as `CallRecord` stores them) off the event loop. delta: the worker sends the (whole)
+        record as a delta of an earlier call, and whole if the pool refuses that (its parent lost or refused)."""
         done: Future[None] | None = None if self.spill is None else Future()
-        self._inbox.put(_Item("call", record, done, compress=compress, full_prompt=full_prompt))
+        self._inbox.put(_Item("call", record, done, compress=compress, delta=delta))
         return done
 
     async def create_session(self, info: SessionInfo) -> None:
@@ -381,11 +393,11 @@ class Recorder:
         """A refused delta goes again with its whole prompt (its parent may be what the pool refused, or lost);
         any other refused call is dropped, counted and logged."""
         record = item.payload
-        if item.full_prompt is not None:
-            log.warning("pool refused call %s/%d as a delta (%s); sending its whole prompt",
-                        record.session_id, record.call_index, exc)
-            item.payload = replace(record, prompt_ids=item.full_prompt, parent=-1, prefix_len=0, prefix_check=0)
-            item.full_prompt = None
+        if item.whole is not None:
+            log.warning("pool refused call %s/%d as a delta (%s); sending it whole", record.session_id,
+                        record.call_index, exc)
+            (item.payload, item.compress), item.whole = item.whole, None
+            _compress_item(self._zstd, item)
             self._write_calls([item])
             return
         self._pop(1)
@@ -429,11 +441,44 @@ class Recorder:
 
 
 def _compress_item(zstd: zstandard.ZstdCompressor, item: _Item) -> None:
-    """zstd a call's raw request/answer once (a batch retried after an outage is already compressed)."""
+    """zstd a call's raw request/answer once (a batch retried after an outage is already compressed); a call
+    that extends an earlier one becomes its delta (the whole record kept aside)."""
+    if item.delta is not None:
+        item.whole = (item.payload, item.compress)
+        item.payload = _delta_record(zstd, item.payload, item.delta, item.compress)
+        item.delta, item.compress = None, False
     if item.compress:
         item.payload.request = _compress(zstd, item.payload.request)
         item.payload.response = _compress(zstd, item.payload.response)
         item.compress = False
+
+
+def _delta_record(zstd: zstandard.ZstdCompressor, record: CallRecord, delta: Delta, raw: bool) -> CallRecord:
+    """`record` as a delta of call `delta.parent`: the ids after its first `prefix_len`, and (raw request
+    bodies only) the body's bytes after those it shares with the parent's; raw bodies compressed."""
+    request, response, skip = record.request, record.response, 0
+    if raw:
+        if request is not None and delta.parent_request is not None:
+            skip = common_prefix_len(delta.parent_request, request)
+            request = request[skip:]
+        request, response = _compress(zstd, request), _compress(zstd, response)
+    prompt = record.prompt_ids
+    return replace(record, prompt_ids=prompt[delta.prefix_len:], parent=delta.parent, prefix_len=delta.prefix_len,
+                   prefix_check=prefix_check(prompt[: delta.prefix_len]), request=request, response=response,
+                   request_prefix=skip)
+
+
+def common_prefix_len(a: bytes, b: bytes, chunk: int = 1 << 16) -> int:
+    """How many leading bytes `a` and `b` share: whole chunks compared as bytes (memcmp), then the first
+    differing chunk byte by byte (numpy)."""
+    n, at = min(len(a), len(b)), 0
+    while at < n and a[at: min(at + chunk, n)] == b[at: min(at + chunk, n)]:
+        at += chunk
+    if at >= n:
+        return n
+    end = min(at + chunk, n)
+    differ = np.frombuffer(a, np.uint8, end - at, at) != np.frombuffer(b, np.uint8, end - at, at)
+    return at + int(np.argmax(differ))
 
 
 def _compress(zstd: zstandard.ZstdCompressor, data: bytes | None) -> bytes | None:

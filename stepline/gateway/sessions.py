@@ -81,6 +81,9 @@ def admin_allowed(key: str | None, admin_token: str | None) -> bool:
     return admin_token is None or is_admin_key(key, admin_token)
 
 
+LastRequest = tuple[tuple[int, ...], bytes]  # (call indices, the raw request body they were recorded for)
+
+
 @dataclass
 class Session:
     info: SessionInfo
@@ -96,6 +99,9 @@ class Session:
     forks: int = 0  # forks made from this session (bounded: GatewaySettings.max_forks_per_session)
     # the runner's sampling for every call of this session (POST /sessions `sampling`), over the request's own
     sampling: dict[str, Any] = field(default_factory=dict)
+    # its latest request body and the calls recorded for it: a turn extending one of them records only the bytes
+    # of its body after those they share (one body per session is kept, not one per turn)
+    last_request: LastRequest | None = None
 
     def take_call_index(self) -> int:
         index = self.next_call
@@ -156,6 +162,7 @@ class SessionStore:
         session.tokens = TokenState(self.template, self.strict_template)
         session.texts = TextMemory(self.template)
         session.responses.clear()
+        session.last_request = None
 
     def by_key(self, key: str) -> Session | None:
         return self._by_key.get(key)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from stepline.datapool import open_pool
-from stepline.datapool.records import CallRecord, SessionInfo, prefix_check
-from stepline.gateway.recorder import Recorder
+from stepline.datapool.records import CallRecord, SessionInfo
+from stepline.gateway.recorder import Delta, Recorder
 from stepline.gateway.spill import Spill, SpillInUse
 
 
@@ -204,35 +204,40 @@ async def test_a_full_pool_disk_fails_creates_fast_says_degraded_and_spills_the_
             assert (await c.get("/health")).json()["status"] == "ok"
 
 
-def turns(session: str, n: int) -> tuple[list[CallRecord], list[CallRecord]]:
-    """n turns, each the last one's prompt + answer + two new ids: whole, and as the gateway sends them (deltas)."""
-    whole: list[CallRecord] = []
-    prompt = np.arange(100, 180, dtype=np.int32)
+
+def turns(session: str, n: int) -> list[tuple[CallRecord, Delta | None]]:
+    """n turns, each the last one's prompt + answer + two new ids and its body one message longer: whole, and how
+    each extends the one before."""
+    out: list[tuple[CallRecord, Delta | None]] = []
+    prompt, body = np.arange(100, 180, dtype=np.int32), b'{"messages": [{"role": "user", "content": "start"}]}'
     for i in range(n):
-        whole.append(replace(call(session, i), prompt_ids=prompt, output_ids=np.array([7, 8 + i], np.int32)))
-        prompt = np.concatenate([prompt, whole[-1].output_ids, [50 + i, 51 + i]]).astype(np.int32)
-    deltas = whole[:1]
-    for parent, record in zip(whole, whole[1:]):
-        prefix = np.concatenate([parent.prompt_ids, parent.output_ids])
-        deltas.append(replace(record, prompt_ids=record.prompt_ids[len(prefix):], parent=parent.call_index,
-                              prefix_len=len(prefix), prefix_check=prefix_check(prefix)))
-    return whole, deltas
+        record = replace(call(session, i), prompt_ids=prompt, output_ids=np.array([7, 8 + i], np.int32), request=body)
+        parent = out[-1][0] if out else None
+        out.append((record, parent and Delta(i - 1, len(parent.prompt_ids) + 2, parent.request)))
+        prompt = np.concatenate([prompt, record.output_ids, [50 + i, 51 + i]]).astype(np.int32)
+        body = body[:-2] + b', {"role": "user", "content": "turn %d"}]}' % i
+    return out
 
 
 async def test_spilled_deltas_replay_into_the_calls_recorded_whole(tmp_path: Path) -> None:
     """Turn 1 reached the pool, turns 2-4 (deltas, each of the one before) only the spill file: after the restart
     the pool holds the same session as one recorded whole."""
-    whole, deltas = turns("s", 4)
+    import zstandard
+
+    played = turns("s", 4)
     pool = Flaky(tmp_path / "pool.db")
     first = recorder(pool, tmp_path / "gw.spill")
     await first.start()
     await first.create_session(SessionInfo("s", "t", "h"))
-    first.record_call(deltas[0], compress=True)
+    first.record_call(replace(played[0][0]), compress=True)
     await first.flush()
     pool.down = True
-    acks = [first.record_call(d, compress=True, full_prompt=w.prompt_ids) for w, d in zip(whole[1:], deltas[1:])]
+    acks = [first.record_call(replace(record), compress=True, delta=delta) for record, delta in played[1:]]
     await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(a) for a in acks if a)), 10)
     await asyncio.wait_for(first.aclose(), 10)
+    spilled = Spill(tmp_path / "gw.spill")
+    assert [r.parent for r in spilled.load()] == [0, 1, 2]  # spilled as deltas
+    spilled.close()
     pool.down = False
     again = recorder(pool, tmp_path / "gw.spill")
     await again.start()
@@ -240,5 +245,6 @@ async def test_spilled_deltas_replay_into_the_calls_recorded_whole(tmp_path: Pat
     await again.aclose()
     assert (again.replayed, again.dropped) == (3, 0)
     got = pool.pool.get_calls("s")
-    assert [(c.prompt_ids.tolist(), c.output_ids.tolist(), c.parent) for c in got] == [
-        (w.prompt_ids.tolist(), w.output_ids.tolist(), -1) for w in whole]
+    unzstd = zstandard.ZstdDecompressor()
+    assert [(c.prompt_ids.tolist(), c.output_ids.tolist(), unzstd.decompress(c.request)) for c in got] == [
+        (r.prompt_ids.tolist(), r.output_ids.tolist(), r.request) for r, _ in played]

@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import orjson
 
-from stepline.datapool.records import CallRecord, prefix_check
+from stepline.datapool.records import CallRecord
 from stepline.gateway.engines import Generation, SamplingParams
 from stepline.gateway.forks import Replayed
 from stepline.gateway.frontends.exchange import Choice, Exchange
 from stepline.gateway.metrics import GatewayMetrics
-from stepline.gateway.recorder import Recorder
-from stepline.gateway.sessions import Prompt
+from stepline.gateway.recorder import Delta, Recorder
+from stepline.gateway.sessions import LastRequest, Prompt
 
 __all__ = ["UNSYNCED", "Ledger", "Remember", "sampling_dict"]
 
@@ -44,12 +44,18 @@ class Ledger:
         self.metrics = metrics
 
     def commit(self, ex: Exchange, choices: list[Choice], answer: dict, remember: Remember) -> None:
-        """One record per choice, and each choice remembered as a turn the next call can extend."""
+        """One record per choice, and each choice remembered as a turn the next call can extend; the request body
+        is kept as the session's latest (a later turn that extends one of these calls sends only what it adds)."""
+        last = ex.session.last_request
         for choice in choices:
-            choice.call_index = self.record(ex, choice.index, choice.generation, answer)
+            choice.call_index = self.record(ex, choice.index, choice.generation, answer, last)
             remember(ex, choice)
+        recorded = tuple(c.call_index for c in choices if not isinstance(c.generation, Replayed))
+        if recorded:
+            ex.session.last_request = (recorded, ex.raw)
 
-    def record(self, ex: Exchange, choice: int, gen: Generation, answer: dict) -> int:
+    def record(self, ex: Exchange, choice: int, gen: Generation, answer: dict,
+               last_request: LastRequest | None = None) -> int:
         """Queue the record of choice `choice`; returns its call index. The recorder's worker thread
         zstd-compresses the request and answer bytes, off the event loop. A replayed answer (a fork) is not
         recorded again: it keeps its source's call index."""
@@ -57,11 +63,10 @@ class Ledger:
             ex.session.next_call = max(ex.session.next_call, gen.call_index + 1)
             return gen.call_index
         index = ex.session.take_call_index()
-        parent, prefix_len = delta_of(ex.prompt)
         record = CallRecord(
             session_id=ex.session.info.session_id,
             call_index=index,
-            prompt_ids=ex.prompt.ids[prefix_len:],
+            prompt_ids=ex.prompt.ids,
             output_ids=np.asarray(gen.output_ids, dtype=np.int32),
             output_logprobs=np.asarray(gen.logprobs, dtype=np.float32),
             weight_version=ex.version,
@@ -71,11 +76,8 @@ class Ledger:
             timings=ex.timings,
             request=ex.raw,
             response=orjson.dumps(answer),
-            parent=parent,
-            prefix_len=prefix_len,
-            prefix_check=prefix_check(ex.prompt.ids[:prefix_len]) if prefix_len else 0,
         )
-        done = self.recorder.record_call(record, compress=True, full_prompt=ex.prompt.ids if prefix_len else None)
+        done = self.recorder.record_call(record, compress=True, delta=delta_of(ex.prompt, last_request))
         if done is not None and (unsynced := UNSYNCED.get(None)) is not None:
             unsynced.append(done)
         return index
@@ -98,13 +100,15 @@ class Ledger:
                                       first_token_seconds=first)
 
 
-def delta_of(prompt: Prompt) -> tuple[int, int]:
-    """(parent call, prefix length) of a prompt that begins with a recorded call's prompt + output (its record
-    carries only the ids after them; docs/architecture.md, "Recording a turn as a delta"), else (-1, 0)."""
+def delta_of(prompt: Prompt, last_request: LastRequest | None) -> Delta | None:
+    """How a prompt that begins with a recorded call's prompt + output extends that call (its record carries only
+    what it adds; docs/architecture.md, "Recording a turn as a delta"); None for a prompt rendered afresh. The
+    request body goes as a delta too where the session still holds the parent's (that of its latest request)."""
     base = prompt.base
     if base is None or base.call < 0 or base.recorded == 0:
-        return -1, 0
-    return base.call, min(base.recorded, prompt.reused)
+        return None
+    body = last_request[1] if last_request is not None and base.call in last_request[0] else None
+    return Delta(base.call, min(base.recorded, prompt.reused), body)
 
 
 def sampling_dict(s: SamplingParams) -> dict[str, Any]:
