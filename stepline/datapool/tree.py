@@ -223,4 +223,4 @@ def delta_prompt(tree: RadixTree, record: CallRecord) -> np.ndarray:
                          f"({len(sequence)} ids)")
     if prefix_check(sequence[: record.prefix_len]) != record.prefix_check:
         raise ValueError(f"its prefix does not match call {record.parent}'s ids (prefix_check differs)")
-    return full_prompt(tree, record.parent, record.prefix_len, record.prompt_ids)
+    return np.concatenate([sequence[: record.prefix_len], record.prompt_ids]).astype(np.int32, copy=False)
