@@ -50,8 +50,11 @@ def check_delta(r: CallRecord, where: str) -> None:
     for name in ("parent", "prefix_len", "prefix_check", "request_prefix"):
         if not isinstance(getattr(r, name), int) or isinstance(getattr(r, name), bool):
             raise InvalidRecord(f"{where}: {name} must be an integer, got {getattr(r, name)!r}")
-    if r.request_prefix and (r.parent < 0 or r.request is None or r.request_prefix < 0):
-        raise InvalidRecord(f"{where}: request_prefix {r.request_prefix} needs a parent call and a request")
+    if not 0 <= r.prefix_check < 2**32:
+        raise InvalidRecord(f"{where}: prefix_check must be a crc32 (0..2^32-1), got {r.prefix_check}")
+    if r.request_prefix and (r.parent < 0 or r.request is None or not 0 < r.request_prefix <= INT32_MAX):
+        raise InvalidRecord(f"{where}: request_prefix {r.request_prefix} needs a parent call and a request, and "
+                            f"lies in 1..{INT32_MAX}")
     if r.parent == -1 and r.prefix_len == 0:
         return
     if not 0 <= r.parent < r.call_index:
