@@ -31,6 +31,7 @@ import zstandard
 
 from stepline.datapool import wire
 from stepline.datapool.base import InvalidRecord, PoolError
+from stepline.datapool.requests import WholeRequests
 from stepline.datapool.sql import SESSION_COLUMNS, TERMINAL, SqlPool, _floats, _ids, _session, spans_of
 from stepline.datapool.tree import StoredCall, replay
 from stepline.datapool.validation import check_session
@@ -49,8 +50,9 @@ def _records(pool: SqlPool) -> Iterator[dict[str, Any]]:
         for row in sessions:
             sid, info = int(row[0]), _session(row[:-1])
             yield {"t": "session", "info": info, "claim": row[-1]}
+            requests = WholeRequests()  # bodies stored as deltas are exported whole
             for c in pool._x(cur, f"SELECT {CALL_COLUMNS} FROM calls WHERE sid = ? ORDER BY ord", (sid,)).fetchall():
-                yield _call_record(info.session_id, c)
+                yield _call_record(info.session_id, c, requests)
                 counts["calls"] += 1
             for reward in pool._rewards(cur, sid, info.session_id):
                 yield {"t": "reward", **wire.to_wire(reward)}
@@ -64,9 +66,10 @@ def _records(pool: SqlPool) -> Iterator[dict[str, Any]]:
     yield {"t": "end", **counts}
 
 
-def _call_record(session_id: str, c: tuple) -> dict[str, Any]:
+def _call_record(session_id: str, c: tuple, requests: WholeRequests) -> dict[str, Any]:
     index, base_call, base_len, prompt, output, logprobs, version, finish, api, extra, req, resp, digest = c
     meta = msgpack.unpackb(bytes(extra))
+    req = requests.whole(int(index), None if req is None else bytes(req), meta)
     return {"t": "call", "session_id": session_id, "call_index": int(index), "base_call": int(base_call),
             "base_len": int(base_len), "new_prompt": _ids(prompt), "output": _ids(output),
             "logprobs": _floats(logprobs), "weight_version": int(version), "finish_reason": finish, "api": api,

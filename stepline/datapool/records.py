@@ -10,6 +10,7 @@ on the wire and on disk.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -94,6 +95,31 @@ class CallRecord:
     def spans(self) -> list[tuple[int, int]]:
         """`version_spans`, or the one span of a call sampled by one version."""
         return [(int(s), int(v)) for s, v in self.version_spans] or [(0, self.weight_version)]
+
+    # The delta form (what the gateway sends for a turn that extends an earlier call; docs/architecture.md,
+    # "Recording a turn as a delta"): parent >= 0 means the prompt is the first `prefix_len` ids of call
+    # `parent`'s prompt + output (same session) followed by `prompt_ids`, and `prefix_check` is
+    # `prefix_check(prompt[:prefix_len])`; request_prefix > 0 means the request body is the first
+    # `request_prefix` bytes of the parent's body followed by what `request` holds (zstd, its size in the frame).
+    # -1 / 0: `prompt_ids` and `request` are whole (what the pool hands back).
+    parent: int = -1
+    prefix_len: int = 0
+    prefix_check: int = 0
+    request_prefix: int = 0
+
+    @property
+    def is_delta(self) -> bool:
+        return self.parent >= 0
+
+
+PREFIX_CHECK_IDS = 64  # the ids at the end of a delta's prefix that `prefix_check` covers
+
+
+def prefix_check(prefix: np.ndarray) -> int:
+    """crc32 of the last `PREFIX_CHECK_IDS` ids of a delta's prefix (packed int32): the pool compares it with
+    its own copy of the parent's ids, so a delta against the wrong parent is refused, at a cost that does not
+    grow with the context."""
+    return zlib.crc32(np.ascontiguousarray(prefix[-PREFIX_CHECK_IDS:], dtype="<i4").tobytes())
 
 
 @dataclass

@@ -6,6 +6,11 @@ packed little-endian int32/float32) and a reference to where its prompt's shared
 tree is rebuilt by replaying its calls in insertion order (`calls.ord`); a bounded cache keeps recent
 trees so an insert costs O(new tokens) of writing. Observation tokens cost 4 bytes, action tokens 8.
 
+The gateway sends a turn that extends an earlier call as a delta of it (`CallRecord.parent`, `prefix_len`,
+`prefix_check`, `request_prefix`): its prompt is rebuilt from the tree before it is inserted (or the batch is
+refused, InvalidRecord, naming what does not match), and its request body is stored as sent, the bytes after
+the parent's (stepline.datapool.requests); reads rebuild whole prompts and bodies.
+
 Consistency: a batch of calls is one transaction. Writers lock the sessions they extend (SQLite: the
 database write lock, PostgreSQL: `SELECT … FOR UPDATE`) and check that their cached tree has as many
 calls as the database, rebuilding it otherwise, so several writers on one session stay consistent.
@@ -41,8 +46,9 @@ from stepline.datapool.records import (
     SessionTree,
     legacy_purpose,
 )
+from stepline.datapool.requests import REQUEST_LEN, REQUEST_OF, WholeRequests, body_len
 from stepline.datapool.steps import LEAF_RULES, build_episode
-from stepline.datapool.tree import RadixTree, StoredCall, full_prompt, replay
+from stepline.datapool.tree import RadixTree, StoredCall, delta_prompt, full_prompt, replay
 from stepline.datapool.validation import MAX_REWARD, check_call, check_end_status, check_reward, check_session
 
 SCHEMA_VERSION = 3  # 2: sessions.purpose, 3: sessions.lease_until (older pools are migrated when opened writable)
@@ -68,9 +74,9 @@ CREATE TABLE IF NOT EXISTS calls (
     base_call INTEGER NOT NULL, base_len INTEGER NOT NULL,
     new_prompt {blob} NOT NULL, output {blob} NOT NULL, logprobs {blob} NOT NULL,
     weight_version INTEGER NOT NULL, finish_reason TEXT NOT NULL, api TEXT NOT NULL,
-    extra {blob} NOT NULL,               -- msgpack map of sampling, timings (and version_spans if resumed)
+    extra {blob} NOT NULL,               -- msgpack map of sampling, timings, request_len, request_of (and version_spans if resumed)
     request {blob}, response {blob},
-    digest {blob} NOT NULL,              -- blake2b of the full record's tokens (idempotent re-sends)
+    digest {blob} NOT NULL,              -- blake2b of the record's tokens as sent (idempotent re-sends)
     PRIMARY KEY (sid, call_index)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS calls_order ON calls (sid, ord);
@@ -118,12 +124,16 @@ def _digest(r: CallRecord) -> bytes:
     h.update(r.weight_version.to_bytes(8, "little", signed=True))
     for start, version in r.version_spans:  # none for a call of one version: its digest is as before spans
         h.update(start.to_bytes(8, "little") + version.to_bytes(8, "little"))
+    if r.is_delta:  # a delta is digested as sent: its prefix is its parent's, digested with the parent
+        for n in (r.parent, r.prefix_len, r.prefix_check):
+            h.update(n.to_bytes(8, "little", signed=True))
     return h.digest()
 
 
-def call_extra(r: CallRecord) -> bytes:
-    """`calls.extra`: msgpack of the sampling, timings and (a resumed call's only) version spans."""
-    extra: dict[str, Any] = {"sampling": r.sampling, "timings": r.timings}
+def call_extra(r: CallRecord, request: dict[str, Any] | None = None) -> bytes:
+    """`calls.extra`: msgpack of the sampling, timings, what `request` notes of the request body
+    (stepline.datapool.requests) and (a resumed call's only) version spans."""
+    extra: dict[str, Any] = {"sampling": r.sampling, "timings": r.timings, **(request or {})}
     if r.version_spans:
         extra["version_spans"] = r.version_spans
     return msgpack.packb(extra)
@@ -285,6 +295,7 @@ class SqlPool:
         trees = {sid: self._tree(cur, sid, name, n) for name, (sid, n) in sessions.items()}
         versions: dict[int, int] = {}
         batch_digests: dict[tuple[int, int], bytes] = {}
+        lengths: dict[tuple[int, int], int | None] = {}  # (sid, call) -> its whole request's length, this batch
         rows = []
         for r in records:
             sid = sessions[r.session_id][0]
@@ -297,10 +308,10 @@ class SqlPool:
                                         " with different content")
                 continue
             touched.add(sid)
-            ins = tree.insert(r.call_index, r.prompt_ids, r.output_ids, r.output_logprobs, r.weight_version,
-                              r.version_spans)
+            ins = tree.insert(r.call_index, self._prompt(tree, r), r.output_ids, r.output_logprobs,
+                              r.weight_version, r.version_spans)
             batch_digests[(sid, r.call_index)] = digest
-            extra = call_extra(r)
+            extra = call_extra(r, self._request_meta(cur, sid, r, lengths))
             rows.append((sid, counts[sid], r.call_index, ins.base_call, ins.base_len,
                          ins.new_prompt.astype("<i4").tobytes(), r.output_ids.astype("<i4").tobytes(),
                          r.output_logprobs.astype("<f4").tobytes(), r.weight_version, r.finish_reason, r.api,
@@ -309,6 +320,37 @@ class SqlPool:
             oldest = min(v for _, v in r.spans)
             versions[sid] = min(versions.get(sid, oldest), oldest)
         return rows, {sid: n for sid, n in counts.items() if sid in versions}, versions
+
+    @staticmethod
+    def _prompt(tree: RadixTree, r: CallRecord) -> np.ndarray:
+        """The call's whole prompt (a delta's rebuilt from its parent in the tree, or InvalidRecord)."""
+        if not r.is_delta:
+            return r.prompt_ids
+        try:
+            return delta_prompt(tree, r)
+        except ValueError as exc:
+            raise InvalidRecord(f"call {r.call_index} of session {r.session_id!r} is a delta that cannot be "
+                                f"rebuilt: {exc}") from None
+
+    def _request_meta(self, cur: Any, sid: int, r: CallRecord, lengths: dict[tuple[int, int], int | None]) -> dict:
+        """What `extra` notes of the call's request body (stepline.datapool.requests): its whole length, and for
+        a delta body its parent and prefix, or InvalidRecord when the parent's body is shorter than that prefix."""
+        length = body_len(r.request, r.request_prefix)
+        lengths[(sid, r.call_index)] = length
+        meta = {} if length is None else {REQUEST_LEN: length}
+        if not r.request_prefix:
+            return meta
+        key = (sid, r.parent)
+        parent_len = lengths[key] if key in lengths else self._stored_request_len(cur, sid, r.parent)
+        if length is None or parent_len is None or r.request_prefix > parent_len:
+            raise InvalidRecord(f"call {r.call_index} of session {r.session_id!r}: its request cannot be rebuilt: "
+                                f"request_prefix {r.request_prefix} with call {r.parent}'s request of "
+                                f"{parent_len} bytes, and its own of {length} (a zstd frame that states its size)")
+        return {**meta, REQUEST_OF: [r.parent, r.request_prefix]}
+
+    def _stored_request_len(self, cur: Any, sid: int, call_index: int) -> int | None:
+        row = self._x(cur, "SELECT extra FROM calls WHERE sid = ? AND call_index = ?", (sid, call_index)).fetchone()
+        return None if row is None else msgpack.unpackb(bytes(row[0])).get(REQUEST_LEN)
 
     def _insert_calls(self, cur: Any, rows: list[tuple]) -> None:
         if rows:
@@ -469,13 +511,13 @@ class SqlPool:
             rows = self._x(cur, "SELECT call_index, base_call, base_len, new_prompt, output, logprobs,"
                            " weight_version, finish_reason, api, extra, request, response FROM calls"
                            " WHERE sid = ? ORDER BY ord", (sid,)).fetchall()
-        out = []
+        out, requests = [], WholeRequests()
         for c, b, n, p, o, lp, v, fr, api, extra, req, resp in rows:
             meta = msgpack.unpackb(extra)
+            request = requests.whole(int(c), None if req is None else bytes(req), meta)
             out.append(CallRecord(session_id, int(c), full_prompt(tree, int(b), int(n), _ids(p)), _ids(o),
                                   _floats(lp), int(v), fr, api, meta["sampling"], meta["timings"],
-                                  None if req is None else bytes(req), None if resp is None else bytes(resp),
-                                  spans_of(meta)))
+                                  request, None if resp is None else bytes(resp), spans_of(meta)))
         return out
 
     def stats(self) -> dict[str, int]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stepline.datapool.records import NO_VERSION, Node, SessionTree
+from stepline.datapool.records import NO_VERSION, CallRecord, Node, SessionTree, prefix_check
 
 ROOT = -1  # id of the (empty) root node
 
@@ -217,3 +217,19 @@ def full_prompt(tree: RadixTree, base_call: int, base_len: int, new_prompt: np.n
     """A stored call's full prompt, given the tree that holds its base call."""
     prefix = tree.sequence(base_call)[:base_len] if base_len else np.zeros(0, np.int32)
     return np.concatenate([prefix, new_prompt]).astype(np.int32, copy=False)
+
+
+def delta_prompt(tree: RadixTree, record: CallRecord) -> np.ndarray:
+    """A delta record's whole prompt: the first `prefix_len` ids of its parent's prompt + output, then its
+    own `prompt_ids`. ValueError saying what does not match: a parent the tree lacks (lost, refused, another
+    session's), a prefix longer than the parent's ids, or ids that differ at the prefix's end (`prefix_check`)."""
+    if record.parent not in tree.calls:
+        raise ValueError(f"its parent call {record.parent} is not in the pool (never written, refused, or another "
+                         "session's)")
+    sequence = tree.sequence(record.parent)
+    if record.prefix_len > len(sequence):
+        raise ValueError(f"prefix_len {record.prefix_len} is longer than call {record.parent}'s prompt + output "
+                         f"({len(sequence)} ids)")
+    if prefix_check(sequence[: record.prefix_len]) != record.prefix_check:
+        raise ValueError(f"its prefix does not match call {record.parent}'s ids (prefix_check differs)")
+    return np.concatenate([sequence[: record.prefix_len], record.prompt_ids]).astype(np.int32, copy=False)

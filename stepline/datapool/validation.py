@@ -33,6 +33,7 @@ def check_call(r: CallRecord) -> CallRecord:
         raise InvalidRecord(f"{where}: call_index must be an integer >= 0")
     if not isinstance(r.weight_version, int) or r.weight_version < 0:
         raise InvalidRecord(f"{where}: weight_version must be an integer >= 0, got {r.weight_version!r}")
+    check_delta(r, where)
     prompt = token_ids(r.prompt_ids, f"{where}: prompt_ids")
     output = token_ids(r.output_ids, f"{where}: output_ids")
     logprobs = np.asarray(r.output_logprobs, dtype=np.float32)
@@ -60,6 +61,26 @@ def version_spans(spans: object, n_output: int, what: str) -> list[tuple[int, in
     if out and (starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= n_output):
         raise InvalidRecord(f"{what}: starts {starts} must begin at 0 and increase inside the {n_output} output tokens")
     return out
+
+
+def check_delta(r: CallRecord, where: str) -> None:
+    """The delta fields alone (whether the pool holds the parent is the pool's check): a full prompt has
+    parent -1 and prefix_len 0; a delta names an earlier call and at least one id of it."""
+    for name in ("parent", "prefix_len", "prefix_check", "request_prefix"):
+        if not isinstance(getattr(r, name), int) or isinstance(getattr(r, name), bool):
+            raise InvalidRecord(f"{where}: {name} must be an integer, got {getattr(r, name)!r}")
+    if not 0 <= r.prefix_check < 2**32:
+        raise InvalidRecord(f"{where}: prefix_check must be a crc32 (0..2^32-1), got {r.prefix_check}")
+    if r.request_prefix and (r.parent < 0 or r.request is None or not 0 < r.request_prefix <= INT32_MAX):
+        raise InvalidRecord(f"{where}: request_prefix {r.request_prefix} needs a parent call and a request, and "
+                            f"lies in 1..{INT32_MAX}")
+    if r.parent == -1 and r.prefix_len == 0:
+        return
+    if not 0 <= r.parent < r.call_index:
+        raise InvalidRecord(f"{where}: parent must be an earlier call's index (0..{r.call_index - 1}) or -1, "
+                            f"got {r.parent}")
+    if not 0 < r.prefix_len <= INT32_MAX:
+        raise InvalidRecord(f"{where}: prefix_len must be at least 1 for a delta of call {r.parent}, got {r.prefix_len}")
 
 
 MAX_REWARD = 1e6  # |value|, |weight| and |value × weight| of one reward at most (pool option max_reward)

@@ -9,7 +9,8 @@ with one `pool.add_calls` per batch.
 Failure policy:
 - the pool refuses a record as invalid (`PoolError`: InvalidRecord, UnknownSession, ReadOnlyPool):
   a batch is retried record by record so only the bad ones are refused; a refused call is counted and
-  logged (never silently dropped); a refused session / reward / end raises in its waiting caller.
+  logged (never silently dropped); a refused session / reward / end raises in its waiting caller. A refused
+  delta (a turn recorded as the ids it adds to an earlier call, which the pool lacks) is sent again whole.
 - the pool is unavailable for now (`stepline.datapool.base.is_unavailable`: the service unreachable, the database
   locked, a lost connection): the batch stays at the head of the queue and is retried with exponential
   backoff capped at `max_backoff` s. The queue keeps filling meanwhile; `has_capacity()` turns False at
@@ -41,14 +42,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+import numpy as np
 import zstandard
 from typing_extensions import TypedDict, Unpack
 
 from stepline.datapool.base import Pool, PoolCorrupt, PoolError, PoolFull, is_unavailable
-from stepline.datapool.records import CallRecord, Reward, SessionInfo
+from stepline.datapool.records import CallRecord, Reward, SessionInfo, prefix_check
 from stepline.gateway.spill import Spill
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,20 @@ class _Item:
     done: Future[Any] | None = None  # set when the pool has committed it (a call: or when it is spilled)
     compress: bool = False  # a call whose request/response are still raw JSON: zstd them in the worker
     spilled: bool = False  # a call already in the spill file
+    delta: Delta | None = None  # send the call as a delta of an earlier call (made in the worker)
+    # once `payload` is the delta: the call in whole form (sent if the delta is refused), and whether its bodies are raw
+    whole: tuple[CallRecord, bool] | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """How a call extends an earlier recorded call of its session (docs/architecture.md, "Recording a turn as a
+    delta"): sent as the ids after that call's first `prefix_len` (`CallRecord.parent`), and with its parent's raw
+    request body, as the bytes of its own after their common prefix."""
+
+    parent: int  # the earlier call's index
+    prefix_len: int  # how many ids of its prompt + output the call's prompt starts with
+    parent_request: bytes | None = None  # its raw request body (None: the call's body is sent whole)
 
 
 class Tuning(TypedDict, total=False):
@@ -141,15 +157,16 @@ class Recorder:
     def has_capacity(self) -> bool:
         return self.failure is None and self.depth() < self.max_queue
 
-    def record_call(self, record: CallRecord, compress: bool = False) -> Future[None] | None:
+    def record_call(self, record: CallRecord, compress: bool = False, delta: Delta | None = None) -> Future[None] | None:
         """Queue a call record; never blocks (check `has_capacity()` before dispatching). With a spill
         file, returns a future set once the call is durable (in the pool or the spill file): answer the
         harness after it.
 
         compress=True: `record.request` / `record.response` are raw JSON bytes, and the worker thread
-        zstd-compresses them (as `CallRecord` stores them) off the event loop."""
+        zstd-compresses them (as `CallRecord` stores them) off the event loop. delta: the worker sends the (whole)
+        record as a delta of an earlier call, and whole if the pool refuses that (its parent lost or refused)."""
         done: Future[None] | None = None if self.spill is None else Future()
-        self._inbox.put(_Item("call", record, done, compress=compress))
+        self._inbox.put(_Item("call", record, done, compress=compress, delta=delta))
         return done
 
     async def create_session(self, info: SessionInfo) -> None:
@@ -318,7 +335,7 @@ class Recorder:
         if head.kind == "call":
             for item in batch:
                 _compress_item(self._zstd, item)
-            self._write_calls([item.payload for item in batch])
+            self._write_calls(batch)
             return
         if head.kind == "read":
             self._read(head)
@@ -355,35 +372,37 @@ class Recorder:
         if head.done is not None and not head.done.done():
             head.done.set_result(result)
 
-    def _write_calls(self, records: list[CallRecord]) -> None:
+    def _write_calls(self, items: list[_Item]) -> None:
         try:
-            self.pool.add_calls(records)
+            self.pool.add_calls([item.payload for item in items])
         except PoolError as exc:
             if isinstance(exc, PoolCorrupt) or is_unavailable(exc):
                 raise  # not a refusal of these records: an outage, or a damaged pool
-            if len(records) == 1:
-                self._refuse(records[0])
+            if len(items) == 1:
+                self._refuse(items[0], exc)
                 return
         else:
-            self._pop(len(records))
-            self._count_written(len(records))
+            self._pop(len(items))
+            self._count_written(len(items))
             return
         # one bad record fails the whole (atomic) batch: write one by one to keep the good ones
-        for record in records:
-            try:
-                self.pool.add_calls([record])
-            except PoolError as exc:
-                if isinstance(exc, PoolCorrupt) or is_unavailable(exc):
-                    raise
-                self._refuse(record)
-            else:
-                self._pop(1)
-                self._count_written(1)
+        for item in items:
+            self._write_calls([item])
 
-    def _refuse(self, record: CallRecord) -> None:
+    def _refuse(self, item: _Item, exc: PoolError) -> None:
+        """A refused delta goes again with its whole prompt (its parent may be what the pool refused, or lost);
+        any other refused call is dropped, counted and logged."""
+        record = item.payload
+        if item.whole is not None:
+            log.warning("pool refused call %s/%d as a delta (%s); sending it whole", record.session_id,
+                        record.call_index, exc)
+            (item.payload, item.compress), item.whole = item.whole, None
+            _compress_item(self._zstd, item)
+            self._write_calls([item])
+            return
         self._pop(1)
         self.dropped += 1
-        log.error("pool refused call %s/%d as invalid; not recorded", record.session_id, record.call_index)
+        log.error("pool refused call %s/%d as invalid (%s); not recorded", record.session_id, record.call_index, exc)
 
     def _count_written(self, n: int) -> None:
         self.written += n
@@ -422,11 +441,44 @@ class Recorder:
 
 
 def _compress_item(zstd: zstandard.ZstdCompressor, item: _Item) -> None:
-    """zstd a call's raw request/answer once (a batch retried after an outage is already compressed)."""
+    """zstd a call's raw request/answer once (a batch retried after an outage is already compressed); a call
+    that extends an earlier one becomes its delta (the whole record kept aside)."""
+    if item.delta is not None:
+        item.whole = (item.payload, item.compress)
+        item.payload = _delta_record(zstd, item.payload, item.delta, item.compress)
+        item.delta, item.compress = None, False
     if item.compress:
         item.payload.request = _compress(zstd, item.payload.request)
         item.payload.response = _compress(zstd, item.payload.response)
         item.compress = False
+
+
+def _delta_record(zstd: zstandard.ZstdCompressor, record: CallRecord, delta: Delta, raw: bool) -> CallRecord:
+    """`record` as a delta of call `delta.parent`: the ids after its first `prefix_len`, and (raw request
+    bodies only) the body's bytes after those it shares with the parent's; raw bodies compressed."""
+    request, response, skip = record.request, record.response, 0
+    if raw:
+        if request is not None and delta.parent_request is not None:
+            skip = common_prefix_len(delta.parent_request, request)
+            request = request[skip:]
+        request, response = _compress(zstd, request), _compress(zstd, response)
+    prompt = record.prompt_ids
+    return replace(record, prompt_ids=prompt[delta.prefix_len:], parent=delta.parent, prefix_len=delta.prefix_len,
+                   prefix_check=prefix_check(prompt[: delta.prefix_len]), request=request, response=response,
+                   request_prefix=skip)
+
+
+def common_prefix_len(a: bytes, b: bytes, chunk: int = 1 << 16) -> int:
+    """How many leading bytes `a` and `b` share: whole chunks compared as bytes (memcmp), then the first
+    differing chunk byte by byte (numpy)."""
+    n, at = min(len(a), len(b)), 0
+    while at < n and a[at: min(at + chunk, n)] == b[at: min(at + chunk, n)]:
+        at += chunk
+    if at >= n:
+        return n
+    end = min(at + chunk, n)
+    differ = np.frombuffer(a, np.uint8, end - at, at) != np.frombuffer(b, np.uint8, end - at, at)
+    return at + int(np.argmax(differ))
 
 
 def _compress(zstd: zstandard.ZstdCompressor, data: bytes | None) -> bytes | None:

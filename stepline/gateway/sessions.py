@@ -81,6 +81,9 @@ def admin_allowed(key: str | None, admin_token: str | None) -> bool:
     return admin_token is None or is_admin_key(key, admin_token)
 
 
+LastRequest = tuple[tuple[int, ...], bytes]  # (call indices, the raw request body they were recorded for)
+
+
 @dataclass
 class Session:
     info: SessionInfo
@@ -96,6 +99,9 @@ class Session:
     forks: int = 0  # forks made from this session (bounded: GatewaySettings.max_forks_per_session)
     # the runner's sampling for every call of this session (POST /sessions `sampling`), over the request's own
     sampling: dict[str, Any] = field(default_factory=dict)
+    # its latest request body and the calls recorded for it: a turn extending one of them records only the bytes
+    # of its body after those they share (one body per session is kept, not one per turn)
+    last_request: LastRequest | None = None
 
     def take_call_index(self) -> int:
         index = self.next_call
@@ -156,6 +162,7 @@ class SessionStore:
         session.tokens = TokenState(self.template, self.strict_template)
         session.texts = TextMemory(self.template)
         session.responses.clear()
+        session.last_request = None
 
     def by_key(self, key: str) -> Session | None:
         return self._by_key.get(key)
@@ -206,9 +213,15 @@ class Segments:
     parent: Segments | None
     tail: np.ndarray  # int32: the ids this segment adds
     length: int  # ids from the root through this segment
+    call: int = -1  # the recorded call whose prompt + output these ids begin with (-1: none)
+    recorded: int = 0  # how many of these ids are that call's prompt + output (an appended end-of-turn is not)
 
     def extend(self, ids: np.ndarray) -> Segments:
         return Segments(self, ids, self.length + len(ids))
+
+    def of_call(self, call: int, recorded: int) -> Segments:
+        """The same ids, known as the first `recorded` ids of recorded call `call`'s prompt + output."""
+        return Segments(self.parent, self.tail, self.length, call, recorded)
 
     def array(self) -> np.ndarray:
         parts = []
@@ -230,6 +243,7 @@ class Prompt:
     key: int  # hash of the tools + messages: with the answer's fingerprint, the key of the next turn
     text: str = ""  # the rendered prompt (strict mode only)
     node: Segments | None = None  # the prompt in the session's segment chain (default mode)
+    base: Segments | None = None  # the earlier turn it extends; base.call >= 0: recorded, the prompt is its delta
 
 
 def _arguments(value: Any) -> Any:
@@ -293,27 +307,32 @@ class TokenState:
         hashes = chain(tools, messages, self._last, options)
         self._last = (list(messages), hashes)  # turn N+1 fingerprints only what follows these
         if (node := self._prompts.get(hashes[-1])) is not None:
-            return Prompt(node.array(), node.length, hashes[-1], node=node)
+            return Prompt(node.array(), node.length, hashes[-1], node=node, base=node)
         for k in range(len(messages), 0, -1):
             if messages[k - 1].get("role") == "assistant" and (base := self._turns.get(hashes[k])) is not None:
                 node = base.extend(self.template.encode_ids(self.template.continuation(messages[k:], tools, options)))
-                return Prompt(node.array(), base.length, hashes[-1], node=node)
+                return Prompt(node.array(), base.length, hashes[-1], node=node, base=base)
         text = self.template.render(messages, tools, add_generation_prompt=True, options=options)
         node = _root(self.template.encode_ids(text))
         return Prompt(node.tail, 0, hashes[-1], node=node)
 
-    def remember(self, prompt: Prompt, answer: Message, output_ids: np.ndarray) -> None:
-        """Store a finished call. A turn the model did not close (length, stop string) gets the
-        end-of-turn token appended, as the template would write it (an observation token)."""
-        tail = np.asarray(output_ids, dtype=np.int32)
+    def remember(self, prompt: Prompt, answer: Message, output_ids: np.ndarray, call: int = -1) -> None:
+        """Store a finished call (`call`: its index, -1 where it was not recorded: a fork's replayed answer), so
+        that a later prompt reusing its ids is recorded as a delta of it. A turn the model did not close (length,
+        stop string) gets the end-of-turn token appended, as the template would write it (an observation token)."""
+        output = np.asarray(output_ids, dtype=np.int32)
+        tail = output
         if len(tail) == 0 or int(tail[-1]) not in self.template.stop_token_ids:
             tail = np.concatenate([tail, np.asarray([self.template.eos_id], dtype=np.int32)])
         if self.strict or prompt.node is None:
             text = prompt.text + self.template.decode(tail.tolist())
             _put(self._texts, text, np.concatenate([prompt.ids, tail]), self.max_entries)
             return
-        _put(self._prompts, prompt.key, prompt.node, self.max_entries)
-        _put(self._turns, hash((prompt.key, fingerprint(answer))), prompt.node.extend(tail), self.max_entries)
+        node, turn = prompt.node, prompt.node.extend(tail)
+        if call >= 0:
+            node, turn = node.of_call(call, node.length), turn.of_call(call, node.length + len(output))
+        _put(self._prompts, prompt.key, node, self.max_entries)
+        _put(self._turns, hash((prompt.key, fingerprint(answer))), turn, self.max_entries)
 
     def _strict_prompt(self, messages: list[Message], tools: list[dict] | None, options: dict[str, Any] | None) -> Prompt:
         text = self.template.render(messages, tools, add_generation_prompt=True, options=options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from stepline.datapool import open_pool
 from stepline.datapool.base import InvalidRecord, UnknownSession
 from stepline.datapool.records import CallRecord, Reward, SessionInfo
-from stepline.gateway.recorder import Recorder
+from stepline.gateway.recorder import Delta, Recorder
 
 
 def call(session: str, index: int) -> CallRecord:
@@ -296,3 +297,49 @@ async def test_a_locked_database_is_an_outage_and_is_retried() -> None:
     await recorder.aclose()
     assert calls == 2 and recorder.pool_errors == 1 and recorder.failure is None
     assert pool.ops == [("call", 0)]
+
+
+
+def turn_after(parent: CallRecord, index: int, new_ids: list[int]) -> CallRecord:
+    """Call `index`: the parent's prompt + output + `new_ids`, its body the parent's with one more message."""
+    record = call(parent.session_id, index)
+    record.prompt_ids = np.concatenate([parent.prompt_ids, parent.output_ids, new_ids]).astype(np.int32)
+    record.request = parent.request[:-2] + b', {"role": "user", "content": "turn %d"}]}' % index
+    return record
+
+
+async def test_a_turn_goes_as_a_delta_and_a_refused_delta_goes_whole(tmp_path: Path, caplog) -> None:
+    import zstandard
+
+    pool = open_pool(f"sqlite:///{tmp_path / 'pool.db'}")
+    sent: list[CallRecord] = []
+    add_calls = pool.add_calls
+    pool.add_calls = lambda records: (sent.extend(records), add_calls(records))[1]  # type: ignore[method-assign]
+    recorder = Recorder(pool)
+    await recorder.start()
+    await recorder.create_session(SessionInfo("s", "task", "h"))
+    c0 = call("s", 0)
+    c0.request = b'{"messages": [{"role": "user", "content": "' + b"long history " * 500 + b'"}]}'
+    c0.output_logprobs = np.array([0.5, -0.1], np.float32)  # refused (a logprob above 0): call 1's parent is lost
+    c1 = turn_after(c0, 1, [9])
+    c2 = turn_after(c1, 2, [10, 11])
+
+    def delta(parent: CallRecord) -> Delta:
+        return Delta(parent.call_index, len(parent.prompt_ids) + len(parent.output_ids), parent.request)
+
+    with caplog.at_level(logging.WARNING, logger="stepline.gateway.recorder"):
+        for record, parent in ((c0, None), (c1, c0), (c2, c1)):
+            recorder.record_call(replace(record), compress=True, delta=parent and delta(parent))
+        lost = replace(c2, call_index=3, prompt_ids=c2.prompt_ids[-2:], parent=0, prefix_len=4, prefix_check=0)
+        recorder.record_call(lost)  # already a delta, with no whole form to fall back on
+        await recorder.flush()
+    assert (recorder.written, recorder.dropped) == (2, 2)
+    assert "pool refused call s/1 as a delta" in caplog.text and "not in the pool" in caplog.text
+    turn2 = next(r for r in sent if r.call_index == 2)  # its ids and its body after call 1's
+    assert (turn2.parent, turn2.prompt_ids.tolist(), turn2.request_prefix) == (1, [10, 11], len(c1.request) - 2)
+    got = pool.get_calls("s")
+    assert [c.prompt_ids.tolist() for c in got] == [c1.prompt_ids.tolist(), c2.prompt_ids.tolist()]
+    unzstd = zstandard.ZstdDecompressor()
+    assert [unzstd.decompress(c.request) for c in got] == [c1.request, c2.request]
+    await recorder.aclose()
+    pool.close()

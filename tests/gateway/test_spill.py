@@ -6,6 +6,7 @@ report); these tests pin that each acknowledged call reaches the pool once, afte
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 from stepline.datapool import open_pool
 from stepline.datapool.records import CallRecord, SessionInfo
-from stepline.gateway.recorder import Recorder
+from stepline.gateway.recorder import Delta, Recorder
 from stepline.gateway.spill import Spill, SpillInUse
 
 
@@ -201,3 +202,49 @@ async def test_a_full_pool_disk_fails_creates_fast_says_degraded_and_spills_the_
             await served.flush()
             assert len(served.calls(s["session_id"])) == 8
             assert (await c.get("/health")).json()["status"] == "ok"
+
+
+
+def turns(session: str, n: int) -> list[tuple[CallRecord, Delta | None]]:
+    """n turns, each the last one's prompt + answer + two new ids and its body one message longer: whole, and how
+    each extends the one before."""
+    out: list[tuple[CallRecord, Delta | None]] = []
+    prompt, body = np.arange(100, 180, dtype=np.int32), b'{"messages": [{"role": "user", "content": "start"}]}'
+    for i in range(n):
+        record = replace(call(session, i), prompt_ids=prompt, output_ids=np.array([7, 8 + i], np.int32), request=body)
+        parent = out[-1][0] if out else None
+        out.append((record, parent and Delta(i - 1, len(parent.prompt_ids) + 2, parent.request)))
+        prompt = np.concatenate([prompt, record.output_ids, [50 + i, 51 + i]]).astype(np.int32)
+        body = body[:-2] + b', {"role": "user", "content": "turn %d"}]}' % i
+    return out
+
+
+async def test_spilled_deltas_replay_into_the_calls_recorded_whole(tmp_path: Path) -> None:
+    """Turn 1 reached the pool, turns 2-4 (deltas, each of the one before) only the spill file: after the restart
+    the pool holds the same session as one recorded whole."""
+    import zstandard
+
+    played = turns("s", 4)
+    pool = Flaky(tmp_path / "pool.db")
+    first = recorder(pool, tmp_path / "gw.spill")
+    await first.start()
+    await first.create_session(SessionInfo("s", "t", "h"))
+    first.record_call(replace(played[0][0]), compress=True)
+    await first.flush()
+    pool.down = True
+    acks = [first.record_call(replace(record), compress=True, delta=delta) for record, delta in played[1:]]
+    await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(a) for a in acks if a)), 10)
+    await asyncio.wait_for(first.aclose(), 10)
+    spilled = Spill(tmp_path / "gw.spill")
+    assert [r.parent for r in spilled.load()] == [0, 1, 2]  # spilled as deltas
+    spilled.close()
+    pool.down = False
+    again = recorder(pool, tmp_path / "gw.spill")
+    await again.start()
+    await again.flush()
+    await again.aclose()
+    assert (again.replayed, again.dropped) == (3, 0)
+    got = pool.pool.get_calls("s")
+    unzstd = zstandard.ZstdDecompressor()
+    assert [(c.prompt_ids.tolist(), c.output_ids.tolist(), unzstd.decompress(c.request)) for c in got] == [
+        (r.prompt_ids.tolist(), r.output_ids.tolist(), r.request) for r, _ in played]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,7 +42,8 @@ R = TypeVar("R")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # the sessions whose calls the request being handled is making (set by the model route; the reaper skips them)
 CALLING: contextvars.ContextVar[list[Session] | None] = contextvars.ContextVar("calling", default=None)
-_LONG_NUMBER = re.compile(rb"\d{19}")  # every integer outside the 64-bit range has at least 19 digits
+_LONG_RUN = b"0" * 19  # every integer outside the 64-bit range has at least 19 digits
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))  # ASCII digits -> "0", the rest " "
 _SLICE = 64 * 1024
 TRIM_BYTES = 1 << 20  # requests from this size on hand their freed heap back
 
@@ -70,9 +70,9 @@ def int64_violation(value: Any, path: str = "") -> str | None:
 
 def check_int64(raw: bytes) -> None:
     """400 naming the field when the JSON body holds an integer beyond 64 bits (cheap scan first)."""
-    # in slices overlapping by 18 bytes: the regex holds the GIL while it runs (about 9 ms per MB), and other
-    # threads (the event loop) get it back between slices
-    if not any(_LONG_NUMBER.search(raw, at, at + _SLICE + 18) for at in range(0, len(raw), _SLICE)):
+    # digits mapped to "0" (bytes.translate), then a substring search: ~0.7 ms per MB, against ~9 for the regex
+    # \d{19}; in slices overlapping by 18 bytes, so that other threads (the event loop) get the GIL between them
+    if not any(_LONG_RUN in raw[at: at + _SLICE + 18].translate(_DIGITS_AS_ZERO) for at in range(0, len(raw), _SLICE)):
         return
     try:
         data = from_json(raw)

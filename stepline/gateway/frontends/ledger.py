@@ -27,7 +27,8 @@ from stepline.gateway.engines import Generation, SamplingParams
 from stepline.gateway.forks import Replayed
 from stepline.gateway.frontends.exchange import Choice, Exchange
 from stepline.gateway.metrics import GatewayMetrics
-from stepline.gateway.recorder import Recorder
+from stepline.gateway.recorder import Delta, Recorder
+from stepline.gateway.sessions import LastRequest, Prompt
 
 __all__ = ["UNSYNCED", "Ledger", "Remember", "sampling_dict"]
 
@@ -43,12 +44,18 @@ class Ledger:
         self.metrics = metrics
 
     def commit(self, ex: Exchange, choices: list[Choice], answer: dict, remember: Remember) -> None:
-        """One record per choice, and each choice remembered as a turn the next call can extend."""
+        """One record per choice, and each choice remembered as a turn the next call can extend; the request body
+        is kept as the session's latest (a later turn that extends one of these calls sends only what it adds)."""
+        last = ex.session.last_request
         for choice in choices:
-            choice.call_index = self.record(ex, choice.index, choice.generation, answer)
+            choice.call_index = self.record(ex, choice.index, choice.generation, answer, last)
             remember(ex, choice)
+        recorded = tuple(c.call_index for c in choices if not isinstance(c.generation, Replayed))
+        if recorded:
+            ex.session.last_request = (recorded, ex.raw)
 
-    def record(self, ex: Exchange, choice: int, gen: Generation, answer: dict) -> int:
+    def record(self, ex: Exchange, choice: int, gen: Generation, answer: dict,
+               last_request: LastRequest | None = None) -> int:
         """Queue the record of choice `choice`; returns its call index. The recorder's worker thread
         zstd-compresses the request and answer bytes, off the event loop. A replayed answer (a fork) is not
         recorded again: it keeps its source's call index."""
@@ -71,7 +78,7 @@ class Ledger:
             response=orjson.dumps(answer),
             version_spans=gen.version_spans,
         )
-        done = self.recorder.record_call(record, compress=True)
+        done = self.recorder.record_call(record, compress=True, delta=delta_of(ex.prompt, last_request))
         if done is not None and (unsynced := UNSYNCED.get(None)) is not None:
             unsynced.append(done)
         return index
@@ -92,6 +99,17 @@ class Ledger:
             self.metrics.observe_call(ex.api, stream, gen.finish_reason, timings["done"] - timings["received"],
                                       prompt_tokens=len(ex.prompt.ids), completion_tokens=len(gen.output_ids),
                                       first_token_seconds=first)
+
+
+def delta_of(prompt: Prompt, last_request: LastRequest | None) -> Delta | None:
+    """How a prompt that begins with a recorded call's prompt + output extends that call (its record carries only
+    what it adds; docs/architecture.md, "Recording a turn as a delta"); None for a prompt rendered afresh. The
+    request body goes as a delta too where the session still holds the parent's (that of its latest request)."""
+    base = prompt.base
+    if base is None or base.call < 0 or base.recorded == 0:
+        return None
+    body = last_request[1] if last_request is not None and base.call in last_request[0] else None
+    return Delta(base.call, min(base.recorded, prompt.reused), body)
 
 
 def sampling_dict(s: SamplingParams) -> dict[str, Any]:

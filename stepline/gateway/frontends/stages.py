@@ -21,6 +21,7 @@ import numpy as np
 from aiohttp import web
 
 from stepline.gateway.engines import Generation, StreamDelta
+from stepline.gateway.forks import Replayed
 from stepline.gateway.frontends.dispatch import Dispatch
 from stepline.gateway.frontends.edge import Offload
 from stepline.gateway.frontends.errors import ApiError
@@ -78,9 +79,11 @@ def assistant_message(parsed: ParsedOutput) -> Message:
 
 
 def remember_turn(ex: Exchange, choice: Choice) -> None:
-    """The chat-style APIs' memory (TITO): the answer as the assistant message the harness will echo."""
+    """The chat-style APIs' memory (TITO): the answer as the assistant message the harness will echo, under its
+    call index where it was recorded (a fork's replayed answer was not: the pool holds no such call there)."""
     output = np.asarray(choice.generation.output_ids, dtype=np.int32)
-    ex.session.tokens.remember(ex.prompt, assistant_message(choice.parsed), output)
+    call = -1 if isinstance(choice.generation, Replayed) else choice.call_index
+    ex.session.tokens.remember(ex.prompt, assistant_message(choice.parsed), output, call)
 
 
 class Stages:
