@@ -105,13 +105,13 @@ async def test_a_call_slower_than_the_timeout_is_not_reaped_while_it_runs(qwen3_
 
 async def test_a_live_gateway_renews_its_idle_sessions_leases_so_they_follow_the_idle_timeout(
         qwen3_model_dir: Path, tmp_path: Path) -> None:
-    # leased for 0.3 s, renewed every 0.1 s: an idle session of a running gateway outlives many leases (the claim
-    # ends any session whose lease lapsed), and its gateway's idle timeout still applies
+    # leased for 1 s, renewed every 0.33 s (a loaded 2-core machine can delay a 0.1 s renewal past a 0.3 s lease):
+    # an idle session of a running gateway outlives several leases (the claim ends any session whose lease lapsed)
     engine = fake_engine(tokenizer(qwen3_model_dir), [])
-    async with engine as url, serve(qwen3_model_dir, [url], tmp_path, session_lease=0.3) as served:
+    async with engine as url, serve(qwen3_model_dir, [url], tmp_path, session_lease=1.0) as served:
         s = await served.session()
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {s['api_key']}"}) as c:
             assert (await c.post(f"{s['openai_base_url']}/chat/completions", json=CHAT)).status_code == 200
-        await asyncio.sleep(1.2)  # four leases, no call
+        await asyncio.sleep(3.5)  # three and a half leases, no call
         assert served.pool.claim_groups("t", 0, 10) == []
         assert served.pool.get_session(s["session_id"]).status == "open"
