@@ -4,6 +4,7 @@ the training speed of full fine-tuning against the faster options on a real mode
     .venv/bin/python benchmarks/bench_trainer.py                   # 8 sessions × 10 turns, CPU or the GPU if any
     .venv/bin/python benchmarks/bench_trainer.py --turns 20 --hidden 512 --layers 8
     .venv/bin/python benchmarks/bench_trainer.py --model models/smollm2 # full fp32 vs bf16 / top-6 / LoRA, 20 SFT steps
+    .venv/bin/python benchmarks/bench_trainer.py --linear --bf16 --checkpointing  # one 6k-token chain: mask vs causal
 
 --model DIR: a short SFT (--steps optimizer steps on the same rows: --sessions sessions of --turns turns of
 this repository's README and docs/ text, tokenized by the model's tokenizer) through the trainer's own
@@ -27,7 +28,13 @@ tokens' logprobs for all sessions:
          (sorted by length, so padding is small) — how a trainer that treats each turn as one completion
          sees the data.
 
-Both produce the same logprobs (checked, max |diff| printed). Times: both variants in one process,
+Both produce the same logprobs (checked, max |diff| printed).
+
+--linear: one linear episode (a session whose calls extend each other, ~6k tokens: prompt 500, 16 turns of action 100
+and observation 270, like a BFCL multi-turn demonstration) on a model of SmolLM2-135M's shape (random weights, or
+--model's), one forward + backward of its action tokens' logprobs with the dense tree mask (`tree_mask=True`) and
+with the causal path a linear row takes (no 4-D mask: SDPA's causal kernel), alternating, best of --repeats;
+--bf16 (autocast, as autocast_bf16 does) and --checkpointing (gradient_checkpointing) as the BFCL job trains. Times: both variants in one process,
 alternating, best of --repeats (robust on a shared machine). Peak memory: one step in a fresh subprocess
 per variant, above what the model and data hold (CUDA: max allocated; CPU: growth of the peak RSS).
 Printed side by side with ratios.
@@ -155,6 +162,67 @@ def measure_memory(variant: str, args, model_dir: Path) -> dict:
     return {"peak_bytes": int(peak)}
 
 
+# SmolLM2-135M's shape (its config.json): 30 layers, hidden 576, 9 heads of 64, 3 KV heads, vocabulary 49,152
+SMOLLM2_135M_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def _linear_model(args) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if args.model is not None:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        config = LlamaConfig(**SMOLLM2_135M_SHAPE)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = model.to(args.device).train()
+    if args.checkpointing:  # as build_policy does
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+def measure_linear(args) -> dict:
+    """One linear episode, forward + backward: the dense tree mask vs the causal path, alternating, best of repeats."""
+    model = _linear_model(args)
+    episodes = make_sessions(1, args.turns, args.prompt, args.action, args.obs, model.config.vocab_size, args.seed)
+    forest = pack_forest(episodes)
+    assert forest.linear_rows, "a chain of calls packs as one linear row"
+    out: dict = {"tokens": forest.num_tokens, "action_tokens": len(forest.targets), "vocab": model.config.vocab_size}
+    for _ in range(args.repeats):
+        for name, tree_mask in (("tree mask", True), ("causal", False)):
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16):
+                logprobs = forest_forward(model, forest, with_entropy=False, tree_mask=tree_mask).logprobs
+            logprobs.sum().backward()
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            v = out.setdefault(name, {"seconds": []})
+            v["seconds"].append(seconds)
+            v["logprobs"] = logprobs.detach().float()
+            print(f"{name}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def report_linear(args, r: dict) -> None:
+    dense, causal = r["tree mask"], r["causal"]
+    diff = float((dense["logprobs"] - causal["logprobs"]).abs().max())
+    source = args.model or "random weights"
+    print(f"one linear episode of {r['tokens']:,} tokens ({r['action_tokens']:,} action tokens; prompt {args.prompt}, "
+          f"{args.turns} turns of action {args.action} + observation {args.obs}); SmolLM2-135M shape ({source}); "
+          f"{args.device}, {args.threads} threads, bf16 autocast {args.bf16}, gradient checkpointing "
+          f"{args.checkpointing}; forward + backward, best of {args.repeats}")
+    rates = {}
+    for name, v in (("tree mask", dense), ("causal", causal)):
+        best = min(v["seconds"])
+        rates[name] = r["tokens"] / best
+        print(f"{name:10s} {best:8.1f} s  {rates[name]:8.1f} tokens/s  (all: "
+              + ", ".join(f"{s:.1f}" for s in v["seconds"]) + ")")
+    print(f"causal / tree mask: {rates['causal'] / rates['tree mask']:.2f}× tokens/s; "
+          f"max |logprob difference| {diff:.2e}")
+
+
 def sft_variants(args) -> dict[str, dict]:
     """Variant name -> the TrainerConfig fields that make it (the learning rate included)."""
     k, r = args.top_layers, args.lora_rank
@@ -274,16 +342,24 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5, help="--model: learning rate of full fine-tuning")
     p.add_argument("--top-lr", type=float, default=7e-5, help="--model: learning rate of the top-k variants")
     p.add_argument("--lora-lr", type=float, default=2e-4, help="--model: learning rate of the LoRA variants")
+    p.add_argument("--linear", action="store_true", help="one linear ~6k-token episode: tree mask vs causal path")
+    p.add_argument("--bf16", action="store_true", help="--linear: bf16 autocast")
+    p.add_argument("--checkpointing", action="store_true", help="--linear: gradient checkpointing")
     p.add_argument("--only", choices=["time", "tree", "naive"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     # --model: sessions of ~565 tokens in 4 turns, like the main job's; the tree benchmark: many short turns
-    shape = (2, 4, 300, 40, 35) if args.model is not None else (8, 10, 64, 24, 24)
+    # --linear: one ~6k-token chain of 16 turns, like a BFCL multi-turn demonstration
+    shape = (1, 16, 500, 100, 270) if args.linear else (2, 4, 300, 40, 35) if args.model is not None \
+        else (8, 10, 64, 24, 24)
     for name, default in zip(("sessions", "turns", "prompt", "action", "obs"), shape):
         if getattr(args, name) is None:
             setattr(args, name, default)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    if args.linear:
+        report_linear(args, measure_linear(args))
+        return
     if args.model is not None:
         report_sft(args, measure_sft(args))
         return

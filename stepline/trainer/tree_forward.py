@@ -65,22 +65,40 @@ class PackedForest:
         bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
         return bias[None, None]
 
-    def batch_rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    @property
+    def linear_rows(self) -> bool:
+        """True when every row is one linear chain (each node's parent is the node before it): its tree mask is then
+        plain causal attention and its position ids run 0..n-1. Positions are depths and every node holds tokens, so
+        a row's positions run 0..n-1 exactly when all the nodes before each node are its ancestors: one O(N) test."""
+        offsets = torch.tensor(self.offsets, dtype=torch.int64)
+        row_start = offsets[:-1].repeat_interleave(offsets.diff())  # [N]
+        return torch.equal(self.position_ids, torch.arange(self.num_tokens) - row_start)
+
+    def batch_rows(self, dtype: torch.dtype, causal: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One padded row per harness's tree (attention never crosses harnesses, so no quadratic cost across them):
         input_ids [B, L], position_ids [B, L], bias [B, 1, L, L], and the flat index (row * L + col) of
-        each packed token [N]. Padding attends only to itself (no empty softmax rows)."""
+        each packed token [N]. Padding attends only to itself (no empty softmax rows).
+
+        `causal` (only where `linear_rows`): no bias (None) and position ids 0..L-1 in every row, padding included,
+        so the model runs plain causal attention (HF's sdpa path then calls SDPA with is_causal=True, its fused
+        kernel; positions that restart would read as packed sequences and bring a mask back). Right padding comes
+        after a row's tokens, so they never see it; it sees them, harmlessly, and its outputs are never read."""
         spans = [(a, b) for a, b in zip(self.offsets[:-1], self.offsets[1:]) if b > a]
         width = max(b - a for a, b in spans)
         ids = torch.zeros(len(spans), width, dtype=torch.int64)
-        pos = torch.zeros(len(spans), width, dtype=torch.int64)
-        bias = torch.full((len(spans), 1, width, width), torch.finfo(dtype).min, dtype=dtype)
-        bias.diagonal(dim1=-2, dim2=-1).zero_()
         flat = torch.empty(self.num_tokens, dtype=torch.int64)
         for row, (a, b) in enumerate(spans):
             ids[row, : b - a] = self.input_ids[a:b]
+            flat[a:b] = row * width + torch.arange(b - a)
+        if causal:
+            return ids, torch.arange(width).repeat(len(spans), 1), None, flat
+        pos = torch.zeros(len(spans), width, dtype=torch.int64)
+        bias = torch.full((len(spans), 1, width, width), torch.finfo(dtype).min, dtype=dtype)
+        bias.diagonal(dim1=-2, dim2=-1).zero_()
+        for row, (a, b) in enumerate(spans):
             pos[row, : b - a] = self.position_ids[a:b]
             bias[row, :, : b - a, : b - a] = self.attention_bias(dtype, a, b)[0]
-            flat[a:b] = row * width + torch.arange(b - a)
         return ids, pos, bias, flat
 
 
@@ -263,6 +281,7 @@ def forest_forward(
     value_head: nn.Module | None = None,
     with_entropy: bool = True,
     entropy_grad: bool = True,
+    tree_mask: bool = False,
 ) -> ForestOutput:
     """One forward pass of a Hugging Face causal LM over the packed forest.
 
@@ -271,15 +290,20 @@ def forest_forward(
     (`stepline.trainer.algorithms.corrections.logprobs_and_entropy`), one [chunk, vocab] block alive at a time.
     `entropy_grad=False` computes the entropy as a detached statistic: an entropy bonus of 0 needs no
     gradient through it, and its A × vocab graph (exp, product, sum) is the costliest part of the head.
+
+    Where every row is one linear chain (`PackedForest.linear_rows`: a session whose calls extend each other, alone
+    in its harness's row) the tree mask is plain causal attention: no 4-D mask goes in, and SDPA runs its fused causal
+    kernel instead of scoring all L × L pairs against a dense mask. `tree_mask=True` keeps the dense mask anyway
+    (the fast path's twin, for tests and benchmarks).
     """
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     if forest.num_tokens == 0:
         empty = torch.zeros(0, device=device)
         return ForestOutput(empty, empty if with_entropy else None, empty if value_head is not None else None)
-    ids, pos, bias, flat = forest.batch_rows(dtype)
-    out = model.base_model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=bias.to(device),
-                           use_cache=False)
+    ids, pos, bias, flat = forest.batch_rows(dtype, causal=not tree_mask and forest.linear_rows)
+    out = model.base_model(input_ids=ids.to(device), position_ids=pos.to(device),
+                           attention_mask=None if bias is None else bias.to(device), use_cache=False)
     hidden = out.last_hidden_state.flatten(0, 1)[flat[forest.sources].to(device)]  # [A, H]
     return _score(model, hidden, forest.input_ids[forest.targets].to(device), forest.temperature.to(device),
                   value_head, with_entropy, entropy_grad)

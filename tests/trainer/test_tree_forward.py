@@ -192,3 +192,90 @@ def test_shared_harness_forward_and_gradients_equal_naive(tiny_model_dir: Path) 
         outputs.append((logprobs.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
     torch.testing.assert_close(outputs[0][0], outputs[1][0], atol=1e-5, rtol=0)
     torch.testing.assert_close(outputs[0][1], outputs[1][1], atol=1e-4, rtol=1e-4)
+
+
+def causal_everywhere(forest) -> bool:
+    """Every row's tree mask is plain causal attention (the slow obvious twin of `linear_rows`)."""
+    rows = zip(forest.offsets[:-1], forest.offsets[1:])
+    return all(torch.equal(forest.attention_bias(torch.float32, a, b)[0, 0] == 0, torch.ones(b - a, b - a).tril() == 1)
+               for a, b in rows if b > a)
+
+
+def linear_forest() -> tuple[list, object]:
+    """Two linear sessions (each call extends the last) of two harnesses: two rows, 4 and 2 turns long."""
+    episodes = [episode_from_calls(f"s{i}", multi_turn(i, turns=turns, fork=False), harness=f"h{i}")
+                for i, turns in enumerate((4, 2))]
+    return episodes, pack_forest(episodes)
+
+
+def test_linear_rows_by_hand() -> None:
+    # one session whose calls extend each other: [5 6] obs, [7 8] act, [9] obs, [10] act -> positions 0..5, causal
+    chain = episode_from_calls("a", [FakeCall([5, 6], [7, 8]), FakeCall([5, 6, 7, 8, 9], [10])])
+    assert pack_forest([chain]).linear_rows
+    # a retry forks it: [11] restarts at depth 2, so the row is a tree
+    retry = episode_from_calls("b", [FakeCall([5, 6], [7, 8]), FakeCall([5, 6, 7, 8, 9], [10]), FakeCall([5, 6, 11], [12])])
+    assert not pack_forest([retry]).linear_rows
+    # two linear sessions of one harness share [5 6] and part ways: one row, a tree
+    other = episode_from_calls("c", [FakeCall([5, 6], [13])])
+    assert not pack_forest([chain, other]).linear_rows
+    # the same two in two harnesses: two linear rows of different lengths
+    assert pack_forest([chain, episode_from_calls("c", [FakeCall([5, 6], [13])], harness="x")]).linear_rows
+
+
+def test_linear_rows_is_exactly_a_causal_mask() -> None:
+    forests = [pack_forest([episode_from_calls(f"s{i}", multi_turn(i, turns=2 + i % 3, fork=i % 3 == 0),
+                                               harness=f"h{i % 2}") for i in range(n)]) for n in range(1, 6)]
+    forests += [linear_forest()[1], pack_forest(sessions_of_a_harness())]
+    decided = [f.linear_rows for f in forests]
+    assert decided == [causal_everywhere(f) for f in forests]
+    assert True in decided and False in decided  # both kinds were tried
+
+
+def attention_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
+    """Record (mask given, is_causal) of every SDPA call HF's sdpa attention makes."""
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is not None, kwargs.get("is_causal", False)))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_linear_rows_run_sdpa_causal_and_trees_keep_the_mask(tiny_model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    model = load(tiny_model_dir)
+    calls = attention_calls(monkeypatch)
+    with torch.no_grad():
+        forest_forward(model, linear_forest()[1])
+        assert calls and set(calls) == {(False, True)}  # no 4-D mask: the fused causal kernel
+        calls.clear()
+        forest_forward(model, pack_forest(sessions_of_a_harness()))
+        assert calls and set(calls) == {(True, False)}  # a tree: the dense tree mask
+        calls.clear()
+        forest_forward(model, linear_forest()[1], tree_mask=True)
+        assert calls and set(calls) == {(True, False)}
+
+
+@pytest.mark.parametrize(("attn", "checkpointing"), [("sdpa", False), ("sdpa", True), ("eager", False)])
+def test_causal_path_equals_tree_mask_and_naive(tiny_model_dir: Path, attn: str, checkpointing: bool) -> None:
+    # rows of 4 and 2 turns: the short one is right-padded; its padding must change nothing, NaN included
+    model = load(tiny_model_dir, attn)
+    if checkpointing:  # as build_policy does; checkpointing recomputes only in training mode
+        model.train().activation_checkpointing_enable({"use_reentrant": False})
+    episodes, forest = linear_forest()
+    (a, b), (_, c) = zip(forest.offsets[:-1], forest.offsets[1:])
+    assert forest.linear_rows and b - a > c - b > 0  # two rows, the second shorter
+    results = []
+    for fn in (lambda: forest_forward(model, forest).logprobs,
+               lambda: forest_forward(model, forest, tree_mask=True).logprobs,
+               lambda: naive_logprobs(model, episodes, forest)):
+        model.zero_grad()
+        logprobs = fn()
+        logprobs.sum().backward()
+        results.append((logprobs.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    assert all(bool(lp.isfinite().all() and grad.isfinite().all()) for lp, grad in results)
+    for lp, grad in results[1:]:
+        torch.testing.assert_close(results[0][0], lp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(results[0][1], grad, atol=1e-5, rtol=1e-4)
