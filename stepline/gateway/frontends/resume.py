@@ -169,16 +169,14 @@ class Resumer:
             head = await anext(stream, None)
             if head is None:
                 raise EngineError("the engine's stream ended without any output")
-        except (EngineError, Paused) as exc:
+        except BaseException as exc:
+            await aclose(stream)
+            again.release()
+            if not isinstance(exc, (EngineError, Paused)):
+                raise
             log.warning("session %s: resuming a stream cut by a weight update failed; answered truncated: %s",
                         session_id, exc)
-            await aclose(stream)
-            again.release()
             return None
-        except BaseException:
-            await aclose(stream)
-            again.release()
-            raise
         return again, _chained(head, stream)
 
 
