@@ -113,17 +113,23 @@ def check_spliced(served: Served, session_id: str, pieces: Pieces) -> None:
     assert served.gateway.gate.cut_calls == {"resumed": 1}
 
 
+async def called_across_an_update(served: Any, http: httpx.AsyncClient, engine_url: str,
+                                  checkpoint: Path) -> tuple[dict[str, Any], httpx.Response]:
+    """A new session's chat call, with a weight update (to version 1) pushed while the engine runs it."""
+    s = await served.session()
+    call = asyncio.create_task(http.post(f"{s['openai_base_url']}/chat/completions", json=CHAT,
+                                         headers={"Authorization": f"Bearer {s['api_key']}"}))
+    await engine_running(http, engine_url)
+    assert (await update(http, served, checkpoint, 1)).status_code == 200
+    return s, await call
+
+
 async def test_a_whole_call_cut_by_an_update_is_answered_complete(engine_url: str, tiny_model_dir: Path,
                                                                   checkpoint: Path, tmp_path: Path) -> None:
     async with serve(tiny_model_dir, [engine_url], tmp_path, update_grace=0.0) as served:
         pieces = record_pieces(served)
-        s = await served.session()
         async with httpx.AsyncClient(timeout=120) as http:
-            call = asyncio.create_task(http.post(f"{s['openai_base_url']}/chat/completions", json=CHAT,
-                                                 headers={"Authorization": f"Bearer {s['api_key']}"}))
-            await engine_running(http, engine_url)
-            assert (await update(http, served, checkpoint, 1)).status_code == 200
-            answer = await call
+            s, answer = await called_across_an_update(served, http, engine_url, checkpoint)
         await served.flush()
         assert answer.status_code == 200, answer.text
         choice = answer.json()["choices"][0]
@@ -158,13 +164,8 @@ async def test_with_partial_rollouts_off_a_cut_call_is_answered_truncated(engine
                                                                          checkpoint: Path, tmp_path: Path) -> None:
     async with serve(tiny_model_dir, [engine_url], tmp_path, update_grace=0.0, partial_rollouts=False) as served:
         pieces = record_pieces(served)
-        s = await served.session()
         async with httpx.AsyncClient(timeout=120) as http:
-            call = asyncio.create_task(http.post(f"{s['openai_base_url']}/chat/completions", json=CHAT,
-                                                 headers={"Authorization": f"Bearer {s['api_key']}"}))
-            await engine_running(http, engine_url)
-            assert (await update(http, served, checkpoint, 1)).status_code == 200
-            answer = await call
+            s, answer = await called_across_an_update(served, http, engine_url, checkpoint)
             metrics = (await http.get(f"{served.url}/metrics")).text
         await served.flush()
         [recorded] = served.pool.get_calls(s["session_id"])
