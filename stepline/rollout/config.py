@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["HarnessError", "HarnessSpec", "RolloutConfig", "TreeSearch", "list_tasks", "task_references"]
+__all__ = ["HarnessError", "HarnessSpec", "RolloutConfig", "TreeSearch", "list_tasks", "task_references", "training_tasks"]
 
 
 class HarnessError(RuntimeError):
@@ -69,6 +70,10 @@ class HarnessSpec(BaseModel):
     group_size: int | None = Field(None, ge=1, description="sessions per task of this harness (None: the rollout's "
                                    "group_size); larger groups find a success on hard tasks more often")
     split: Literal["train", "test"] = Field("train", description="task split used for training rollouts")
+    train_tasks_matching: str | None = Field(
+        None, description="a regular expression: training rollouts draw only the task ids it matches (a curriculum "
+                          "over tasks, e.g. the categories the warm start solves at times); demonstrations and "
+                          "evaluation still use every task of their split")
     max_turns: int | None = Field(None, ge=1, description="--max-turns passed to a module harness")
     max_tokens: int | None = Field(None, ge=1, le=4096, description="--max-tokens passed to a module harness")
     persistent: bool = Field(
@@ -88,6 +93,16 @@ class HarnessSpec(BaseModel):
         if module is not None and ".".join(module.split(".")[:2]) in MOVED:
             raise ValueError(f"module {module!r} moved into the stepline package: use 'stepline.{module}'")
         return module
+
+    @field_validator("train_tasks_matching")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression: {pattern!r} ({exc})") from None
+        return pattern
 
     @model_validator(mode="after")
     def _one_program(self) -> HarnessSpec:
@@ -144,6 +159,19 @@ def task_references(spec: HarnessSpec, split: str | None = None) -> dict[str, st
     if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
         raise HarnessError(f"harness {spec.name!r}: the tasks command printed no table of gold answers")
     return table
+
+
+def training_tasks(spec: HarnessSpec) -> list[str]:
+    """The task ids training rollouts draw from: the spec's split, narrowed by `train_tasks_matching`."""
+    ids = list_tasks(spec)
+    if spec.train_tasks_matching is None:
+        return ids
+    pattern = re.compile(spec.train_tasks_matching)
+    kept = [task_id for task_id in ids if pattern.search(task_id)]
+    if not kept:
+        raise HarnessError(f"harness {spec.name!r}: train_tasks_matching {spec.train_tasks_matching!r} matches none "
+                           f"of its {len(ids)} {spec.split} tasks (e.g. {ids[0]!r})")
+    return kept
 
 
 def list_tasks(spec: HarnessSpec, split: str | None = None) -> list[str]:

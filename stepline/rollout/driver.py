@@ -50,7 +50,7 @@ from stepline.datapool.records import REFERENCE_KEY, Purpose
 from stepline.rollout import trees
 from stepline.rollout import worker as rollout_worker
 from stepline.rollout.client import GatewayClient, GatewayError, SessionHandle
-from stepline.rollout.config import HarnessSpec, RolloutConfig, list_tasks, task_references
+from stepline.rollout.config import HarnessSpec, RolloutConfig, task_references, training_tasks
 from stepline.rollout.results import EpisodeResult, HarnessStats
 from stepline.rollout.worker import HarnessWorker, WorkerError, WorkerMissing
 
@@ -381,7 +381,7 @@ def _from_worker(answer: dict[str, Any]) -> _Played:
 
 
 def _all_tasks(config: RolloutConfig) -> dict[str, list[str]]:
-    return {spec.name: list_tasks(spec) for spec in config.harnesses}
+    return {spec.name: training_tasks(spec) for spec in config.harnesses}
 
 
 def format_stats(stats: Mapping[str, Mapping[str, float]]) -> str:

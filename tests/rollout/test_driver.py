@@ -14,7 +14,7 @@ from session_standin import session_standin
 
 from stepline.launch.job import load_job
 from stepline.rollout.client import GatewayClient
-from stepline.rollout.config import HarnessSpec, RolloutConfig
+from stepline.rollout.config import HarnessError, HarnessSpec, RolloutConfig, list_tasks, training_tasks
 from stepline.rollout.driver import RolloutDriver, format_stats, parse_verdict, run_rollouts
 
 PY = sys.executable
@@ -143,6 +143,23 @@ async def test_harness_mix_follows_the_weights(tmp_path: Path) -> None:
     assert 22 <= stats["a"]["episodes"] <= 38  # expectation 30 (3:1), seeded draw
     assert stats["a"]["success_rate"] == 1.0 and stats["b"]["success_rate"] == 0.0
     assert stats["a"]["episodes_per_s"] > 0
+
+
+async def test_training_draws_only_the_tasks_the_curriculum_matches(tmp_path: Path) -> None:
+    # The harness prints its task id; only ids matching the pattern reach training, evaluation sees every task.
+    spec = HarnessSpec(name="cat", module="stepline.agents.search", train_tasks_matching="^search-000[0-4]$")
+    every = list_tasks(spec)
+    assert training_tasks(spec) == [t for t in every if t in {"search-0000", "search-0001", "search-0002",
+                                                              "search-0003", "search-0004"}] != every
+    ran = HarnessSpec(name="ext", tasks=["keep-1", "keep-2", "drop-1"], train_tasks_matching="^keep-",
+                      command="echo $STEPLINE_TASK_ID >> " + str(tmp_path / "ids"), verify_command="echo '{\"reward\": 1}'")
+    async with session_standin() as gw:
+        await run_rollouts(_config(ran, group_size=1), gw.url, num_groups=6, admin_token="admin")
+    assert set((tmp_path / "ids").read_text().split()) == {"keep-1", "keep-2"}
+    with pytest.raises(ValueError, match="not a regular expression"):
+        HarnessSpec(name="x", module="m", train_tasks_matching="(")
+    with pytest.raises(HarnessError, match="matches none of its 3 train tasks"):
+        training_tasks(HarnessSpec(name="x", tasks=["a", "b", "c"], command="true", train_tasks_matching="^z"))
 
 
 def test_config_validation_and_job_file(tmp_path: Path) -> None:
