@@ -71,6 +71,12 @@ def test_demonstrations_per_harness_name_known_harnesses(tmp_path: Path) -> None
     job.write_text('[sft]\ndemos = {ui = -1}\n[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\n')
     with pytest.raises(JobError, match="sft.demos.ui"):
         load_job(job)
+    job.write_text('[sft]\ndemo_tasks_matching = {uii = "a"}\n[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\n')
+    with pytest.raises(JobError, match="sft.demo_tasks_matching: no harness named 'uii'"):
+        load_job(job)
+    job.write_text('[sft]\ndemo_tasks_matching = {ui = "("}\n[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\n')
+    with pytest.raises(JobError, match="sft.demo_tasks_matching.ui: not a regular expression"):
+        load_job(job)
 
 
 def test_the_trainer_waits_for_the_smallest_group_of_the_mix(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ across fields, and those of the fields a command fills in, run when the command 
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -102,6 +103,9 @@ class SFTSection(_Section):
     demos_per_harness: int = Field(16, ge=0, description="expert demonstrations per harness (0: no warm start)")
     demos: dict[str, Annotated[int, Field(ge=0)]] = Field(
         default_factory=dict, description="demonstrations of the named harnesses instead, e.g. {ui = 32}")
+    demo_tasks_matching: dict[str, str] = Field(
+        default_factory=dict, description="per harness, a regular expression: its demonstrations come only from the "
+                                          "train tasks whose id it matches, e.g. {bfcl = '^(?!multi_turn)'}")
     trainer: TrainerTable = Field(default_factory=dict, description="TrainerConfig fields for the SFT pass")
 
 
@@ -235,9 +239,15 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _demos_of_known_harnesses(self) -> JobConfig:
-        unknown = sorted(set(self.sft.demos) - {h.name for h in self.rollout.harnesses})
-        if unknown:
-            raise ValueError(f"sft.demos: no harness named {', '.join(map(repr, unknown))} in [[rollout.harnesses]]")
+        names = {h.name for h in self.rollout.harnesses}
+        for field in ("demos", "demo_tasks_matching"):
+            if unknown := sorted(set(getattr(self.sft, field)) - names):
+                raise ValueError(f"sft.{field}: no harness named {', '.join(map(repr, unknown))} in [[rollout.harnesses]]")
+        for name, pattern in self.sft.demo_tasks_matching.items():
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"sft.demo_tasks_matching.{name}: not a regular expression: {pattern!r} ({exc})") from None
         return self
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stepline.rollout.config import HarnessSpec, list_tasks
+from stepline.rollout.config import HarnessError, HarnessSpec, list_tasks
 from stepline.rollout.driver import parse_verdict
 
 __all__ = ["Demonstration", "expert_episodes"]
@@ -43,9 +44,11 @@ async def _expert_episode(spec: HarnessSpec, task_id: str, work: Path) -> tuple[
 
 
 async def expert_episodes(specs: list[HarnessSpec], per_harness: int, concurrency: int, work: Path,
-                          seed: int, counts: Mapping[str, int] | None = None) -> list[Demonstration]:
+                          seed: int, counts: Mapping[str, int] | None = None,
+                          matching: Mapping[str, str] | None = None) -> list[Demonstration]:
     """`per_harness` expert episodes of each module harness (`counts[name]` where given), a seeded sample of
-    its train split, at most `concurrency` at a time, played under `work`."""
+    its train split (of the task ids matching the regular expression `matching[name]` where given), at most
+    `concurrency` at a time, played under `work`."""
     gate = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
 
@@ -53,9 +56,14 @@ async def expert_episodes(specs: list[HarnessSpec], per_harness: int, concurrenc
         async with gate:
             return spec, task_id, await _expert_episode(spec, task_id, work)
 
-    jobs = []
+    chosen: list[tuple[HarnessSpec, str]] = []
     for spec in specs:  # a seeded sample of the train split: task lists are ordered by kind and entity
         tasks = await asyncio.to_thread(list_tasks, spec, "train")
+        if pattern := (matching or {}).get(spec.name):
+            tasks = [task for task in tasks if re.search(pattern, task)]
+            if not tasks:
+                raise HarnessError(f"harness {spec.name!r}: no train task matches the demonstrations' pattern {pattern!r}")
         wanted = (counts or {}).get(spec.name, per_harness)
-        jobs += [one(spec, task) for task in rng.sample(tasks, min(wanted, len(tasks)))]
+        chosen += [(spec, task) for task in rng.sample(tasks, min(wanted, len(tasks)))]
+    jobs = [one(spec, task) for spec, task in chosen]
     return list(await asyncio.gather(*jobs))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stepline.rollout.config import HarnessSpec
+import pytest
+
+from stepline.rollout.config import HarnessError, HarnessSpec
 from stepline.rollout.demos import expert_episodes
 
 
@@ -18,3 +20,14 @@ async def test_demonstrations_per_harness_can_differ(tmp_path: Path) -> None:
         assert result is not None
         episode, reward = result
         assert reward == 1.0 and any(m["role"] == "assistant" for m in episode["messages"])
+
+
+async def test_demonstrations_come_only_from_the_tasks_a_pattern_matches(tmp_path: Path) -> None:
+    # bfcl-like use: every search train task whose id ends in 0 (a tenth of them), the ui ones unfiltered
+    specs = [HarnessSpec(name="search", module="stepline.agents.search"), HarnessSpec(name="ui", module="stepline.agents.ui")]
+    demos = await expert_episodes(specs, per_harness=4, concurrency=2, work=tmp_path, seed=0, matching={"search": "0$"})
+    search = [task for spec, task, _ in demos if spec.name == "search"]
+    assert len(search) == 4 and all(task.endswith("0") for task in search)
+    assert len([task for spec, task, _ in demos if spec.name == "ui"]) == 4
+    with pytest.raises(HarnessError, match="no train task matches"):
+        await expert_episodes(specs, per_harness=1, concurrency=2, work=tmp_path, seed=0, matching={"ui": "^nothing"})
