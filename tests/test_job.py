@@ -126,13 +126,13 @@ def test_a_bounded_job_on_a_cpu_without_bf16_units_says_what_to_expect(tmp_path:
     job = tmp_path / "job.toml"
     job.write_text("job_minutes = 28\n")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(stepline.trainer.precision, "fast_bf16", lambda device: False)  # an AVX2-only CPU
+    monkeypatch.setattr(stepline.trainer.precision, "bf16_units", lambda device: False)  # an AVX2-only CPU
     note = slow_cpu_note(load_job(job))
     assert note is not None and "no bf16 units" in note and "job_minutes = 28" in note
     job.write_text("rl_updates = 3\n")  # no time bound: slower, but nothing is cut short
     assert slow_cpu_note(load_job(job)) is None
     job.write_text("job_minutes = 28\n")
-    monkeypatch.setattr(stepline.trainer.precision, "fast_bf16", lambda device: True)  # AVX512-BF16 or AMX
+    monkeypatch.setattr(stepline.trainer.precision, "bf16_units", lambda device: True)  # AVX512-BF16 or AMX
     assert slow_cpu_note(load_job(job)) is None
 
 

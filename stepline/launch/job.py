@@ -151,7 +151,7 @@ class ServicesSection(_Section):
         "answered truncated)")
     engine_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         _engine_default("dtype"), description="weights of the built-in engine; auto: bfloat16 where this CPU has "
-        "bf16 units")
+        "bf16 units and runs bf16 matmuls faster than float32 (timed once)")
     engine_threads: int | None = Field(None, ge=1, description="torch threads of the built-in engine (None: torch's)")
     prefix_cache_mb: float = Field(_engine_default("prefix_cache_mb"), ge=0,
                                    description="built-in engine's prefix cache bound (0: off)")

@@ -95,9 +95,9 @@ def slow_cpu_note(cfg: JobConfig) -> str | None:
     the bound (docs/results.md: The main job)."""
     import torch
 
-    from stepline.trainer.precision import fast_bf16
+    from stepline.trainer.precision import bf16_units
 
-    if cfg.job_minutes is None or torch.cuda.is_available() or fast_bf16(torch.device("cpu")):
+    if cfg.job_minutes is None or torch.cuda.is_available() or bf16_units(torch.device("cpu")):
         return None
     return (f"this CPU has no bf16 units (AVX512-BF16 or AMX): float32 runs at about a fifth of an AMX CPU's speed "
             f"(the quickstart's SFT: 9.7 min against 2.0) and bf16 slower still, so the warm start and the "
