@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -65,18 +66,14 @@ def test_an_unknown_field_is_refused(tmp_path: Path) -> None:
 
 def test_demonstrations_per_harness_name_known_harnesses(tmp_path: Path) -> None:
     job = tmp_path / "demos.toml"
-    job.write_text('[sft]\ndemos = {uii = 32}\n[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\n')
-    with pytest.raises(JobError, match="sft.demos: no harness named 'uii'"):
-        load_job(job)
-    job.write_text('[sft]\ndemos = {ui = -1}\n[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\n')
-    with pytest.raises(JobError, match="sft.demos.ui"):
-        load_job(job)
-    job.write_text('[sft]\ndemo_tasks_matching = {uii = "a"}\n[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\n')
-    with pytest.raises(JobError, match="sft.demo_tasks_matching: no harness named 'uii'"):
-        load_job(job)
-    job.write_text('[sft]\ndemo_tasks_matching = {ui = "("}\n[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\n')
-    with pytest.raises(JobError, match="sft.demo_tasks_matching.ui: not a regular expression"):
-        load_job(job)
+    ui = '[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\n'
+    for sft, error in [('demos = {uii = 32}', "sft.demos: no harness named 'uii'"),
+                       ('demos = {ui = -1}', "sft.demos.ui"),
+                       ('demo_tasks_matching = {uii = "a"}', "sft.demo_tasks_matching: no harness named 'uii'"),
+                       ('demo_tasks_matching = {ui = "("}', "sft.demo_tasks_matching.ui: not a regular expression")]:
+        job.write_text(f"[sft]\n{sft}\n{ui}")
+        with pytest.raises(JobError, match=re.escape(error)):
+            load_job(job)
 
 
 def test_the_trainer_waits_for_the_smallest_group_of_the_mix(tmp_path: Path) -> None:
