@@ -19,7 +19,6 @@ across fields, and those of the fields a command fills in, run when the command 
 
 from __future__ import annotations
 
-import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -29,7 +28,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from stepline.engine.options import EngineOptions
 from stepline.gateway.config import GatewaySettings
 from stepline.models import check_vllm_shape
-from stepline.rollout.config import RolloutConfig
+from stepline.rollout.config import RolloutConfig, regular_expression
 from stepline.trainer.config import TrainerConfig
 
 __all__ = ["JobConfig", "JobError", "load_job", "trainer_config"]
@@ -245,9 +244,9 @@ class JobConfig(_Section):
                 raise ValueError(f"sft.{field}: no harness named {', '.join(map(repr, unknown))} in [[rollout.harnesses]]")
         for name, pattern in self.sft.demo_tasks_matching.items():
             try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise ValueError(f"sft.demo_tasks_matching.{name}: not a regular expression: {pattern!r} ({exc})") from None
+                regular_expression(pattern)
+            except ValueError as exc:
+                raise ValueError(f"sft.demo_tasks_matching.{name}: {exc}") from None
         return self
 
 

@@ -29,7 +29,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["HarnessError", "HarnessSpec", "RolloutConfig", "TreeSearch", "list_tasks", "task_references", "training_tasks"]
+__all__ = ["HarnessError", "HarnessSpec", "RolloutConfig", "TreeSearch", "list_tasks", "regular_expression",
+           "task_references", "tasks_matching", "training_tasks"]
 
 
 class HarnessError(RuntimeError):
@@ -97,12 +98,7 @@ class HarnessSpec(BaseModel):
     @field_validator("train_tasks_matching")
     @classmethod
     def _compiles(cls, pattern: str | None) -> str | None:
-        if pattern is not None:
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise ValueError(f"not a regular expression: {pattern!r} ({exc})") from None
-        return pattern
+        return None if pattern is None else regular_expression(pattern)
 
     @model_validator(mode="after")
     def _one_program(self) -> HarnessSpec:
@@ -161,17 +157,29 @@ def task_references(spec: HarnessSpec, split: str | None = None) -> dict[str, st
     return table
 
 
+def regular_expression(pattern: str) -> str:
+    """`pattern` when it compiles, else a ValueError saying why (for the settings that take one)."""
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"not a regular expression: {pattern!r} ({exc})") from None
+    return pattern
+
+
+def tasks_matching(spec: HarnessSpec, ids: list[str], pattern: str | None, setting: str) -> list[str]:
+    """The ids `pattern` finds a match in (all when None); a HarnessError naming `setting` when none."""
+    if pattern is None:
+        return ids
+    kept = [task_id for task_id in ids if re.search(pattern, task_id)]
+    if not kept:
+        raise HarnessError(f"harness {spec.name!r}: {setting} {pattern!r} matches none of its {len(ids)} tasks "
+                           f"(e.g. {ids[0]!r})")
+    return kept
+
+
 def training_tasks(spec: HarnessSpec) -> list[str]:
     """The task ids training rollouts draw from: the spec's split, narrowed by `train_tasks_matching`."""
-    ids = list_tasks(spec)
-    if spec.train_tasks_matching is None:
-        return ids
-    pattern = re.compile(spec.train_tasks_matching)
-    kept = [task_id for task_id in ids if pattern.search(task_id)]
-    if not kept:
-        raise HarnessError(f"harness {spec.name!r}: train_tasks_matching {spec.train_tasks_matching!r} matches none "
-                           f"of its {len(ids)} {spec.split} tasks (e.g. {ids[0]!r})")
-    return kept
+    return tasks_matching(spec, list_tasks(spec), spec.train_tasks_matching, "train_tasks_matching")
 
 
 def list_tasks(spec: HarnessSpec, split: str | None = None) -> list[str]:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stepline.rollout.config import HarnessError, HarnessSpec, list_tasks
+from stepline.rollout.config import HarnessSpec, list_tasks, tasks_matching
 from stepline.rollout.driver import parse_verdict
 
 __all__ = ["Demonstration", "expert_episodes"]
@@ -59,10 +58,7 @@ async def expert_episodes(specs: list[HarnessSpec], per_harness: int, concurrenc
     chosen: list[tuple[HarnessSpec, str]] = []
     for spec in specs:  # a seeded sample of the train split: task lists are ordered by kind and entity
         tasks = await asyncio.to_thread(list_tasks, spec, "train")
-        if pattern := (matching or {}).get(spec.name):
-            tasks = [task for task in tasks if re.search(pattern, task)]
-            if not tasks:
-                raise HarnessError(f"harness {spec.name!r}: no train task matches the demonstrations' pattern {pattern!r}")
+        tasks = tasks_matching(spec, tasks, (matching or {}).get(spec.name), "sft.demo_tasks_matching")
         wanted = (counts or {}).get(spec.name, per_harness)
         chosen += [(spec, task) for task in rng.sample(tasks, min(wanted, len(tasks)))]
     jobs = [one(spec, task) for spec, task in chosen]

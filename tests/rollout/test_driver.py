@@ -158,7 +158,7 @@ async def test_training_draws_only_the_tasks_the_curriculum_matches(tmp_path: Pa
     assert set((tmp_path / "ids").read_text().split()) == {"keep-1", "keep-2"}
     with pytest.raises(ValueError, match="not a regular expression"):
         HarnessSpec(name="x", module="m", train_tasks_matching="(")
-    with pytest.raises(HarnessError, match="matches none of its 3 train tasks"):
+    with pytest.raises(HarnessError, match="train_tasks_matching '\\^z' matches none of its 3 tasks"):
         training_tasks(HarnessSpec(name="x", tasks=["a", "b", "c"], command="true", train_tasks_matching="^z"))
 
 

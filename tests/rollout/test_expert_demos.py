@@ -29,5 +29,5 @@ async def test_demonstrations_come_only_from_the_tasks_a_pattern_matches(tmp_pat
     search = [task for spec, task, _ in demos if spec.name == "search"]
     assert len(search) == 4 and all(task.endswith("0") for task in search)
     assert len([task for spec, task, _ in demos if spec.name == "ui"]) == 4
-    with pytest.raises(HarnessError, match="no train task matches"):
+    with pytest.raises(HarnessError, match="sft.demo_tasks_matching '\\^nothing' matches none"):
         await expert_episodes(specs, per_harness=1, concurrency=2, work=tmp_path, seed=0, matching={"ui": "^nothing"})
