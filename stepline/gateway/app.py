@@ -97,7 +97,8 @@ def create_app(settings: GatewaySettings, router: EngineRouter, recorder: Record
         app.router.add_get(f"{prefix}/models", model(partial(list_models, edge, prompting)))
         app.router.add_post(f"{prefix}/messages/count_tokens", model(partial(messages.count_tokens, edge, template)))
     limits = ForkLimits(settings.max_forks_per_session, settings.max_forks_per_group, settings.retry_after)
-    app.router.add_routes(SessionRoutes(edge, service, template, settings.public_url, limits).routes())
+    app.router.add_routes(SessionRoutes(edge, service, template, settings.public_url, limits,
+                                        lambda: gate.version).routes())
     app.router.add_get("/health", model(partial(health, router, gate, store, recorder)))
     app.router.add_routes(admin_routes(gate, settings.admin_token))
     app.router.add_routes(metrics.routes())  # this app's registry only

@@ -1,14 +1,15 @@
 """Demonstrations as the gateway would have recorded them: a whole conversation in, one CallRecord per turn out.
 
-    records_from_conversation(template, conversation, session_id) -> list[CallRecord]
+    records_from_conversation(template, conversation, session_id, weight_version) -> list[CallRecord]
 
 A scripted expert (a harness's `--expert` mode) writes the conversation it would have had with a model:
 `{"messages": [...], "tools": [...]}` in the OpenAI chat form, or with Anthropic tools (`input_schema`) in the
 Messages form. Each assistant turn becomes the call the gateway would have recorded for it: the request is
 read by the gateway's own front end (chat or messages), the prompt comes from the session's token memory (so
 turn N+1 reuses turn N's ids, as a served session does), and the output ids are the template's rendering of
-the answer, closed by the end-of-turn token. Their logprobs are 0 and their weight version 0: no policy
-sampled them (supervised warm start only).
+the answer, closed by the end-of-turn token. Their logprobs are 0: no policy sampled them. The SFT warm start records them
+at version 0; an expert episode in an RL group (`POST /sessions/<id>/demonstration`) at the version serving
+then, and the trainer takes the policy's own logprobs for them (ratio 1).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ __all__ = ["records_from_conversation"]
 
 
 def records_from_conversation(template: ChatTemplate, conversation: dict[str, Any],
-                              session_id: str) -> list[CallRecord]:
+                              session_id: str, weight_version: int = 0) -> list[CallRecord]:
     """One CallRecord per assistant turn of `conversation`: the prompt the gateway would have sent and the
     tokens the model would have had to sample to give exactly that answer. ValueError when the template
     rewrites the history before a turn (no exact record of it exists)."""
@@ -47,7 +48,7 @@ def records_from_conversation(template: ChatTemplate, conversation: dict[str, An
         output = np.asarray(template.encode(answer), dtype=np.int32)
         records.append(CallRecord(session_id=session_id, call_index=len(records), prompt_ids=prompt.ids,
                                   output_ids=output, output_logprobs=np.zeros(len(output), dtype=np.float32),
-                                  weight_version=0, api=call.api, sampling={"temperature": 1.0}))
+                                  weight_version=weight_version, api=call.api, sampling={"temperature": 1.0}))
         state.remember(prompt, message, output)
     return records
 

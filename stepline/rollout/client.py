@@ -86,6 +86,10 @@ class GatewayClient:
     async def post_reward(self, session_id: str, value: float) -> None:
         await self._post(f"/sessions/{session_id}/reward", {"value": value, "step": None, "name": "outcome", "weight": 1.0})
 
+    async def post_demonstration(self, session_id: str, conversation: dict[str, Any]) -> None:
+        """Record an expert's conversation (`messages`, `tools`) as the calls of an expert session."""
+        await self._post(f"/sessions/{session_id}/demonstration", conversation)
+
     async def end_session(self, session_id: str, status: str) -> None:
         await self._post(f"/sessions/{session_id}/end", {"status": status})
 

@@ -86,6 +86,10 @@ class HarnessSpec(BaseModel):
                            "task id -> answer, or true for a module's own (`python -m <module>.tasks --references`)")
     tree_search: TreeSearch | None = Field(None, description="Tree-GRPO rollouts: groups of forked episodes (None: "
                                            "group_size independent episodes)")
+    expert_per_group: int = Field(
+        0, ge=0, description="off-policy guidance (LUFFY): this many of each training group's episodes are played by "
+                             "the module's scripted expert (`run --expert`) and recorded as expert sessions, which "
+                             "the trainer takes with ratio 1; the group's baseline counts them. Never in evaluation")
 
     @field_validator("module")
     @classmethod
@@ -106,6 +110,9 @@ class HarnessSpec(BaseModel):
             raise ValueError(f"harness {self.name!r}: give exactly one of module or command")
         if self.command is not None and not self.tasks:
             raise ValueError(f"harness {self.name!r}: an external command needs a tasks list")
+        if self.expert_per_group and (self.module is None or self.tree_search is not None):
+            raise ValueError(f"harness {self.name!r}: expert_per_group needs a module harness (its --expert mode) "
+                             "and no tree_search")
         if self.references is True and self.module is None:
             raise ValueError(f"harness {self.name!r}: references = true reads a module's gold answers; an external "
                              "command gives them as a table {task id = answer}")
@@ -136,10 +143,14 @@ class RolloutConfig(BaseModel):
     work_dir: Path | None = Field(None, description="where episode directories go (default: a temporary dir)")
 
     @model_validator(mode="after")
-    def _unique_names(self) -> RolloutConfig:
+    def _valid_harnesses(self) -> RolloutConfig:
         names = [h.name for h in self.harnesses]
         if len(set(names)) != len(names):
             raise ValueError(f"harnesses: duplicate names in {names}")
+        for h in self.harnesses:
+            if h.expert_per_group >= (size := h.group_size or self.group_size):
+                raise ValueError(f"harness {h.name!r}: expert_per_group {h.expert_per_group} leaves none of its "
+                                 f"groups of {size} to the policy")
         return self
 
 

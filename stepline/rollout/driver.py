@@ -3,7 +3,9 @@
 For each drawn task it opens G sessions (one group, an explicit group id, so GRPO baselines stay
 per task × harness; a harness with `tree_search` grows the group as trees of forked sessions instead,
 stepline/rollout/trees.py; a task's gold answer, where the harness gives one, goes into every session's
-metadata["reference"]), plays the harness once per session with that session's endpoint, kills it at
+metadata["reference"]; a harness with `expert_per_group` has that many of a training group's episodes played by
+its scripted expert, recorded through the gateway as expert sessions), plays the harness once per session with
+that session's endpoint, kills it at
 the episode timeout (its whole process group), runs the verifier, posts the reward and ends the
 session. A harness that crashes, hangs or exits non-zero ends as a *failed* episode with a reason
 (reward `failed_reward`, or none if not `score_failed`); a verifier that throws or prints garbage
@@ -46,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from stepline.datapool.records import REFERENCE_KEY, Purpose
+from stepline.datapool.records import EXPERT_KEY, REFERENCE_KEY, Purpose
 from stepline.rollout import trees
 from stepline.rollout import worker as rollout_worker
 from stepline.rollout.client import GatewayClient, GatewayError, SessionHandle
@@ -125,6 +127,7 @@ class RolloutDriver:
         self.python = python
         self.stats: dict[str, HarnessStats] = {h.name: HarnessStats() for h in config.harnesses}
         self.results: list[EpisodeResult] = []
+        self.expert_results: list[EpisodeResult] = []  # expert episodes in training groups (not the policy's stats)
         self.slots = asyncio.Semaphore(config.max_concurrency)
         self._started = time.monotonic()
         self._draw: _TaskDraw | None = None
@@ -158,6 +161,18 @@ class RolloutDriver:
             log.warning("%s %s failed (attempt %d): %s", spec.name, task_id, attempt, result.reason)
         return result
 
+    async def run_expert_episode(self, spec: HarnessSpec, task_id: str, group_id: str | None,
+                                 metadata: dict[str, Any]) -> EpisodeResult:
+        """One episode of the harness's scripted expert in a training group: its conversation is recorded through
+        the gateway as an expert session's calls (`POST /sessions/<id>/demonstration`), then verified as any."""
+        async with self.slots:
+            result, _ = await self.played(spec, task_id, lambda: self.open_session(
+                spec, task_id, group_id, {**metadata, EXPERT_KEY: True}), expert=True)
+        if result.status != "completed":
+            log.warning("%s %s: the expert's episode failed: %s", spec.name, task_id, result.reason)
+        self.expert_results.append(result)
+        return result
+
     async def _attempt(self, spec: HarnessSpec, task_id: str, group_id: str | None, metadata: dict[str, Any]) -> EpisodeResult:
         result, _ = await self.played(spec, task_id, lambda: self.open_session(spec, task_id, group_id, metadata))
         return result
@@ -170,7 +185,7 @@ class RolloutDriver:
                                          None if t is None else {"temperature": t})
 
     async def played(self, spec: HarnessSpec, task_id: str, open_session: Callable[[], Awaitable[SessionHandle]],
-                      end: bool = True) -> tuple[EpisodeResult, SessionHandle | None]:
+                      end: bool = True, expert: bool = False) -> tuple[EpisodeResult, SessionHandle | None]:
         """Open a session, play and score it, post its reward and (if `end`) end it."""
         started = time.monotonic()
         try:
@@ -180,7 +195,7 @@ class RolloutDriver:
         out = self.work_dir / handle.session_id
         out.mkdir(parents=True)
         try:
-            status, reward, success, reason = await self._play_and_score(spec, task_id, handle, out)
+            status, reward, success, reason = await self._play_and_score(spec, task_id, handle, out, expert)
             reason = await self._report(handle, status, reward, reason, end)
         finally:
             if not self.config.keep_episodes:
@@ -189,9 +204,10 @@ class RolloutDriver:
                                seconds=time.monotonic() - started)
         return result, handle
 
-    async def _play_and_score(self, spec: HarnessSpec, task_id: str, handle: SessionHandle, out: Path) -> Scored:
+    async def _play_and_score(self, spec: HarnessSpec, task_id: str, handle: SessionHandle, out: Path,
+                              expert: bool = False) -> Scored:
         env = self._episode_env(spec, task_id, handle, out)
-        played = await self._play(spec, task_id, env, out)
+        played = await (self._play_expert(spec, task_id, handle, env, out) if expert else self._play(spec, task_id, env, out))
         if played.failure is not None:
             failed_reward = self.config.failed_reward if self.config.score_failed else None
             return "failed", failed_reward, False, played.failure
@@ -212,8 +228,23 @@ class RolloutDriver:
                 return _Played(failure=str(exc))
         return await self._play_in_process(spec, task_id, env, out)
 
-    async def _play_in_process(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> _Played:
-        played = await run_process(self._run_argv(spec, task_id, out), {**os.environ, **env}, Path.cwd(),
+    async def _play_expert(self, spec: HarnessSpec, task_id: str, handle: SessionHandle, env: dict[str, str],
+                           out: Path) -> _Played:
+        """The module's `run --expert` in a process of its own, its conversation recorded as the session's calls."""
+        played = await self._play_in_process(spec, task_id, env, out, ["--expert"])
+        if played.failure is not None:
+            return played
+        try:
+            episode = json.loads((out / "episode" / "episode.json").read_text())
+            await self.gateway.post_demonstration(handle.session_id, {"messages": episode["messages"],
+                                                                      "tools": episode.get("tools")})
+        except (OSError, ValueError, KeyError, GatewayError) as exc:
+            return _Played(failure=f"the expert's conversation was not recorded: {exc}")
+        return played
+
+    async def _play_in_process(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path,
+                               extra: tuple[str, ...] | list[str] = ()) -> _Played:
+        played = await run_process([*self._run_argv(spec, task_id, out), *extra], {**os.environ, **env}, Path.cwd(),
                                    self.config.episode_timeout_s, out / "harness")
         if played.returncode is None:
             return _Played(failure=f"harness timed out after {self.config.episode_timeout_s:g}s")
@@ -310,7 +341,10 @@ class RolloutDriver:
             return await trees.run_tree_group(self, spec, task_id, spec.tree_search, group_id, metadata,
                                               self.config.seed)
         size = group_size or spec.group_size or self.config.group_size
-        return list(await asyncio.gather(*(self.run_episode(spec, task_id, group_id, metadata) for _ in range(size))))
+        experts = spec.expert_per_group if group_size is None and self.purpose == "train" else 0
+        episodes = [self.run_episode(spec, task_id, group_id, metadata) for _ in range(size - experts)]
+        episodes += [self.run_expert_episode(spec, task_id, group_id, metadata) for _ in range(experts)]
+        return list(await asyncio.gather(*episodes))
 
     async def _reference(self, spec: HarnessSpec, task_id: str, split: str) -> dict[str, str]:
         """{"reference": gold answer} where the harness gives one for the task (IGPO), else {}."""

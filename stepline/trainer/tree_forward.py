@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from stepline.datapool.records import EpisodeData, Node
+from stepline.datapool.records import EXPERT_KEY, EpisodeData, Node
 from stepline.trainer.algorithms.corrections import logprobs_and_entropy
 
 __all__ = ["ForestOutput", "PackedForest", "forest_forward", "naive_logprobs", "pack_forest", "training_nodes"]
@@ -48,6 +48,7 @@ class PackedForest:
     weight_version: torch.Tensor  # int64 [A]: the policy version that sampled the token
     episode: torch.Tensor  # int64 [A]: index of the token's episode in the list given to pack_forest
     call_index: torch.Tensor  # int64 [A]: the call (step) that sampled the token
+    expert: torch.Tensor  # bool [A]: the token is an expert's (an expert session's), not the policy's sample
     naive_tokens: int  # tokens a per-step forward would process: sum over steps of len(state + action)
     offsets: list[int]  # row i (one harness's tree) is input_ids[offsets[i]:offsets[i + 1]]
 
@@ -181,11 +182,12 @@ def pack_forest(episodes: list[EpisodeData]) -> PackedForest:
     sessions' paths, so every packed token has exactly the context and position it had in each session that
     holds it."""
     roots: dict[str, _Segment] = {}
-    act: dict[str, list] = {k: [] for k in ("targets", "sources", "temp", "lp", "ver", "ep", "call")}
+    act: dict[str, list] = {k: [] for k in ("targets", "sources", "temp", "lp", "ver", "ep", "call", "expert")}
     naive = 0
     for e, episode in enumerate(episodes):
         root = roots.setdefault(episode.info.harness, _Segment([]))
         temps = _temperatures(episode)
+        expert = episode.info.metadata.get(EXPERT_KEY) is True
         last: dict[int, Ref] = {-1: (root, -1)}  # node id -> reference to its last token
         for node in training_nodes(episode):
             if node.kind == "act" and len(node.tokens) and node.parent < 0:
@@ -200,6 +202,7 @@ def pack_forest(episodes: list[EpisodeData]) -> PackedForest:
                 act["ver"].append(np.full(n, node.weight_version, dtype=np.int64))
                 act["ep"].append(np.full(n, e, dtype=np.int64))
                 act["call"].append(np.full(n, node.call_index, dtype=np.int64))
+                act["expert"].append(np.full(n, expert, dtype=np.bool_))
             last[node.id] = refs[-1] if len(refs) else last[node.parent]
         naive += sum(step.action_end for step in _unique_steps(episode))
     layout = _Layout(list(roots.values()))
@@ -215,6 +218,7 @@ def pack_forest(episodes: list[EpisodeData]) -> PackedForest:
         weight_version=_cat(act["ver"], torch.int64),
         episode=_cat(act["ep"], torch.int64),
         call_index=_cat(act["call"], torch.int64),
+        expert=_cat(act["expert"], torch.bool),
         naive_tokens=naive,
         offsets=layout.offsets,
     )

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from stepline.datapool.records import EXPERT_KEY
 from stepline.trainer.algorithms import (
     ADVANTAGES,
     CLIP_RULES,
@@ -306,6 +307,8 @@ def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, 
     step_ids, traj_ids, episode_ids = view.step_ids.to(dev), view.traj_ids.to(dev), view.episode_ids.to(dev)
     behaviour = view.forest.behaviour_logprobs.to(dev)
     logp = out.logprobs
+    if view.forest.expert.any():  # no policy sampled an expert's tokens: its behaviour is the policy now (ratio 1)
+        behaviour = torch.where(view.forest.expert.to(dev), logp.detach(), behaviour)
     if obj.mode == "sft":
         per_token = -logp
     else:
@@ -398,7 +401,6 @@ def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int
         "action_tokens": trained / obj.epochs, "tokens_per_s": trained / max(elapsed, 1e-9),
         "forward_tokens_per_s": packed * obj.epochs / max(elapsed, 1e-9),
         "tree_token_saving": 1 - packed / naive if naive else 0.0, "update_seconds": elapsed,
-        "reward_mean": float(batch.outcome.mean()) if len(batch.episodes) else math.nan,
         "anchor_shared": batch.anchor_shared(),
         "rank_episodes": sum(int(torch.unique(view.episode_ids).numel()) for view in _views(plan)),
     }
@@ -407,10 +409,18 @@ def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int
         out["staleness_max"] = float(version - versions.min())
     for reason, n in batch.skipped.items():
         out[f"skipped_{reason}"] = n
-    by_harness: dict[str, list[float]] = defaultdict(list)
+    by_harness: dict[str, list[float]] = defaultdict(list)  # the policy's episodes (an expert's are counted apart)
+    experts = 0
     for ep, r in zip(batch.episodes, batch.outcome.tolist()):
-        by_harness[ep.info.harness].append(r)
+        if ep.info.metadata.get(EXPERT_KEY) is True:
+            experts += 1
+        else:
+            by_harness[ep.info.harness].append(r)
+    own = [r for rewards in by_harness.values() for r in rewards]
+    out["reward_mean"] = float(np.mean(own)) if own else math.nan
     out.update({f"reward/{h}": float(np.mean(v)) for h, v in by_harness.items()})
+    if experts:
+        out["expert_episodes"] = experts
     if advantages is not None and advantages.numel():
         out.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std(unbiased=False)),
                    adv_min=float(advantages.min()), adv_max=float(advantages.max()))

@@ -51,3 +51,49 @@ def test_anthropic_tools_read_as_a_messages_request(tiny_model_dir: Path) -> Non
 def test_a_conversation_without_an_assistant_turn_has_no_records(tiny_model_dir: Path) -> None:
     template = ChatTemplate.from_model_dir(tiny_model_dir)
     assert records_from_conversation(template, {"messages": CONVERSATION["messages"][:2]}, "demo-3") == []
+
+
+async def post_demonstration(url: str, session_id: str, body: object, token: str | None = "adm") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(base_url=url) as client:
+        return await client.post(f"/sessions/{session_id}/demonstration", json=body, headers=headers)
+
+
+async def test_an_expert_session_records_the_conversation_at_the_serving_version(tiny_model_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """An expert's episode in a training group: its calls are those of the conversation, token for token, stamped
+    with the weight version serving at the time (so the staleness bound keeps them), with logprobs 0."""
+    async with fake_engine(tokenizer(tiny_model_dir), []) as url, \
+            serve(tiny_model_dir, [url], tmp_path, initial_version=7) as served:
+        s = await served.session(metadata={"expert": True})
+        r = await post_demonstration(served.url, s["session_id"], CONVERSATION)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"ok": True, "calls": 2}
+        recorded = served.pool.get_calls(s["session_id"])
+        again = await post_demonstration(served.url, s["session_id"], CONVERSATION)
+    expected = records_from_conversation(ChatTemplate.from_model_dir(tiny_model_dir), CONVERSATION, "x")
+    assert [(c.prompt_ids.tolist(), c.output_ids.tolist()) for c in recorded] == \
+        [(r.prompt_ids.tolist(), r.output_ids.tolist()) for r in expected]
+    assert {c.weight_version for c in recorded} == {7}
+    assert not any(c.output_logprobs.any() for c in recorded)
+    assert again.status_code == 409  # a session holds one episode
+
+
+async def test_a_demonstration_is_refused_where_it_would_pass_for_the_policy(tiny_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    async with fake_engine(tokenizer(tiny_model_dir), []) as url, serve(tiny_model_dir, [url], tmp_path) as served:
+        plain = await served.session()
+        expert = await served.session(metadata={"expert": True})
+        not_expert = await post_demonstration(served.url, plain["session_id"], CONVERSATION)
+        own_key = await post_demonstration(served.url, expert["session_id"], CONVERSATION, token=expert["api_key"])
+        no_messages = await post_demonstration(served.url, expert["session_id"], {"messages": []})
+        not_a_conversation = await post_demonstration(served.url, expert["session_id"], {"messages": [{"role": 3}]})
+        no_answer = await post_demonstration(served.url, expert["session_id"],
+                                             {"messages": CONVERSATION["messages"][:2]})
+        unknown = await post_demonstration(served.url, "nope", CONVERSATION)
+        assert served.pool.get_calls(expert["session_id"]) == []
+    assert not_expert.status_code == 400 and "metadata.expert" in not_expert.text
+    assert own_key.status_code == 401
+    assert (no_messages.status_code, not_a_conversation.status_code, no_answer.status_code) == (400, 400, 400)
+    assert "no assistant turn" in no_answer.text
+    assert unknown.status_code == 404

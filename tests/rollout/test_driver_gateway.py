@@ -76,3 +76,37 @@ def _one_thread() -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+async def test_an_expert_plays_its_share_of_a_training_group_and_none_of_an_evaluation(tiny_model_dir: Path,
+                                                                                      tmp_path: Path) -> None:
+    """expert_per_group = 1: one episode of each training group is the UI expert's, recorded through the gateway as
+    an expert session of the group (its calls the expert's turns, scored by the verifier); evaluation has none."""
+    from stepline.agents.ui.world import tasks
+
+    task = next(t for t in tasks() if t.split == "train" and t.kind == "toggle")
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    end = tok.token_to_id(END)
+    engine = FakeEngine([Scripted(tok.encode("Done.", add_special_tokens=False).ids + [end], text="Done.")] * 4,
+                        eos_id=end, decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+    ui = HarnessSpec(name="ui", module="stepline.agents.ui", tasks=[task.id], max_turns=4, expert_per_group=1)
+    async with engine as engine_url, gateway(tiny_model_dir, engine_url, tmp_path, "sglang") as (url, pool):
+        async with GatewayClient(url, "adm") as client:
+            driver = RolloutDriver(RolloutConfig(harnesses=[ui], group_size=2), client, tmp_path / "w")
+            await driver.run(num_groups=1)
+            evaluation = RolloutDriver(RolloutConfig(harnesses=[ui], group_size=2), client, tmp_path / "e", purpose="eval")
+            await evaluation.run(num_groups=1)
+        [policy], [expert] = driver.results, driver.expert_results
+        assert (policy.reward, expert.reward) == (0.0, 1.0)
+        episode = pool.get_episode(expert.session_id)
+        assert episode.info.metadata["expert"] is True
+        assert episode.info.group_id == pool.get_episode(policy.session_id).info.group_id
+        assert len(episode.tree.calls) == len(task.plan) + 1  # each plan step, then "Done."
+        assert len(evaluation.results) == 2 and not evaluation.expert_results
+
+
+def test_expert_per_group_leaves_the_policy_a_share_and_needs_a_module() -> None:
+    with pytest.raises(ValueError, match="leaves none of its groups of 2"):
+        RolloutConfig(harnesses=[HarnessSpec(name="ui", module="stepline.agents.ui", expert_per_group=2)], group_size=2)
+    with pytest.raises(ValueError, match="needs a module harness"):
+        HarnessSpec(name="mine", command="true", tasks=["a"], expert_per_group=1)

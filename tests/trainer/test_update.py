@@ -358,3 +358,40 @@ def test_negative_reinforcement_trains_groups_that_all_failed(tiny_model_dir: Pa
     assert metrics[0]["adv_max"] == metrics[0]["adv_min"] == -0.5
     logprob = [m["logprob_mean"] for m in metrics]
     assert logprob[-1] < logprob[0] - 0.2, logprob  # the failed episodes' own tokens became less likely
+
+
+def own_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+
+
+def test_an_experts_tokens_train_as_the_policys_own_samples(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Off-policy guidance: no policy sampled an expert session's tokens (recorded logprobs 0), so the trainer takes
+    its own logprobs for them: the step is exactly the one of the same episode sampled by the policy itself
+    (recorded logprobs = the policy's), and not the one the recorded zeros would give."""
+    steps = []
+    for variant in ("expert", "on-policy", "zeros as recorded"):
+        cfg, policy = policy_for(tiny_model_dir, tmp_path)
+        policy.optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+        policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda _: 1.0)
+        g = torch.Generator().manual_seed(1)
+        prompt = torch.randint(10, 3000, (8,), generator=g).tolist()
+        episodes = []
+        for i in range(4):  # episode 0 succeeds: the expert's in the first variant
+            out = torch.randint(10, 3000, (5,), generator=g).tolist()
+            own = variant == "on-policy" or (variant == "expert" and i > 0)
+            lps = own_logprobs(policy.model, prompt, out) if own else [0.0] * 5
+            episodes.append(episode_from_calls(f"s{i}", [FakeCall(prompt, out, lps)], outcome=float(i == 0)))
+        if variant == "expert":
+            episodes[0].info.metadata["expert"] = True
+        before = flat(policy.model)
+        m = update(policy, build_batch([Group("g", "t::h", episodes, 0)]), objective(cfg, 0, False), version=0)
+        steps.append(flat(policy.model) - before)
+        if variant == "expert":  # the training reward is the policy's own; the expert's episode is counted apart
+            assert (m["expert_episodes"], m["reward_mean"]) == (1, 0.0)
+        if variant != "zeros as recorded":
+            assert m["ratio_min"] == pytest.approx(1, abs=1e-5) and m["ratio_max"] == pytest.approx(1, abs=1e-5)
+    torch.testing.assert_close(steps[0], steps[1], atol=1e-6, rtol=0)
+    assert (steps[0] - steps[2]).abs().max() > 1e-4

@@ -1,16 +1,19 @@
-"""`POST /sessions`, `GET /sessions/<id>`, `POST /sessions/<id>/reward`, `/end` and `/fork`.
+"""`POST /sessions`, `GET /sessions/<id>`, `POST /sessions/<id>/reward`, `/end`, `/fork` and `/demonstration`.
 
 Creating a session needs the admin token when one is configured. Reading, rewarding, ending and forking
 one need the session's own key or the admin token (a key of another session → 403); with no admin token
 configured, a request without a key is accepted. Each write answers once the pool has committed it.
 A fork (stepline/gateway/forks.py) is a new session of the same task, harness and group that replays the source's
-calls before `call` and samples from there.
+calls before `call` and samples from there. A demonstration records an expert's whole conversation as the calls
+of a session opened with `metadata.expert = true` (off-policy guidance in a training group: the expert's episode
+beside the policy's, stepline/gateway/demonstrations.py); it needs the admin token.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import orjson
@@ -18,7 +21,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from stepline.datapool.base import PoolCorrupt, PoolError, PoolFull, UnknownSession
-from stepline.datapool.records import FORK_KEY, Purpose, Reward
+from stepline.datapool.records import EXPERT_KEY, FORK_KEY, Purpose, Reward
+from stepline.gateway.demonstrations import records_from_conversation
 from stepline.gateway.forks import ForkLimits, Replay
 from stepline.gateway.frontends.edge import Edge
 from stepline.gateway.frontends.errors import ApiError, from_validation
@@ -68,11 +72,19 @@ class RewardBody(_Body):
         return v
 
 
+class DemonstrationBody(BaseModel):
+    """An expert's conversation as a harness's `--expert` mode writes it (OpenAI chat or Anthropic Messages form)."""
+
+    model_config = ConfigDict(extra="forbid")
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+
+
 class EndBody(_Body):
     status: Literal["completed", "failed", "aborted"] = "completed"
 
 
-def _parse(model: type[_Body], data: Any) -> Any:
+def _parse(model: type[BaseModel], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -89,7 +101,7 @@ def _pool_error(exc: PoolError) -> ApiError:
 
 class SessionRoutes:
     def __init__(self, edge: Edge, service: SessionService, template: ChatTemplate, public_url: str | None,
-                 fork_limits: ForkLimits | None = None) -> None:
+                 fork_limits: ForkLimits | None = None, version: Callable[[], int] = lambda: 0) -> None:
         self.edge = edge
         self.service = service
         self.store = service.store
@@ -97,11 +109,13 @@ class SessionRoutes:
         self.public_url = public_url
         self.admin_token = edge.admin_token
         self.fork_limits = fork_limits or ForkLimits()
+        self.version = version  # the weight version serving now: a demonstration is stamped with it
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/sessions", self.create), web.get("/sessions/{session}", self.show),
                 web.post("/sessions/{session}/reward", self.reward), web.post("/sessions/{session}/end", self.end),
-                web.post("/sessions/{session}/fork", self.fork)]
+                web.post("/sessions/{session}/fork", self.fork),
+                web.post("/sessions/{session}/demonstration", self.demonstration)]
 
     async def create(self, request: web.Request) -> web.Response:
         if not admin_allowed(bearer_key(request.headers), self.admin_token):
@@ -158,6 +172,36 @@ class SessionRoutes:
         answer = await self._open(request, session)
         source.forks += 1
         return answer
+
+    async def demonstration(self, request: web.Request) -> web.Response:
+        """Record an expert's conversation as the calls of a fresh expert session, once the pool has them."""
+        if not admin_allowed(bearer_key(request.headers), self.admin_token):
+            raise ApiError(401, "recording a demonstration needs the admin token (Authorization: Bearer <token>)")
+        session = self._owned(request)
+        sid = session.info.session_id
+        if session.info.metadata.get(EXPERT_KEY) is not True:
+            raise ApiError(400, f"session {sid} was not opened as an expert's (metadata.{EXPERT_KEY} = true): its "
+                           "calls would train as the policy's own samples", param=f"metadata.{EXPERT_KEY}")
+        if session.ended or session.next_call:
+            raise ApiError(409, f"session {sid} has {'ended' if session.ended else 'calls already'}")
+        _, data = await self.edge.read_json(request)
+        body: DemonstrationBody = _parse(DemonstrationBody, data)
+        try:
+            records = records_from_conversation(self.template, body.model_dump(exclude_none=True), sid, self.version())
+        except ValidationError as exc:
+            raise from_validation(exc) from None
+        except ValueError as exc:
+            raise ApiError(400, f"demonstration: {exc}") from None
+        if not records:
+            raise ApiError(400, "demonstration: the conversation has no assistant turn", param="messages")
+        session.next_call = len(records)
+        for record in records:
+            self.service.recorder.record_call(record)
+        try:
+            await self.service.recorder.flush()
+        except PoolError as exc:
+            raise _pool_error(exc) from None
+        return web.Response(body=orjson.dumps({"ok": True, "calls": len(records)}), content_type="application/json")
 
     def _check_fork_limits(self, source: Session) -> None:
         """429 past the fork bounds: one session key must not open sessions without end (each is a pool row,
