@@ -5,9 +5,8 @@ per task × harness; a harness with `tree_search` grows the group as trees of fo
 stepline/rollout/trees.py; a task's gold answer, where the harness gives one, goes into every session's
 metadata["reference"]; a harness with `expert_per_group` has that many of a training group's episodes played by
 its scripted expert, recorded through the gateway as expert sessions), plays the harness once per session with
-that session's endpoint, kills it at
-the episode timeout (its whole process group), runs the verifier, posts the reward and ends the
-session. A harness that crashes, hangs or exits non-zero ends as a *failed* episode with a reason
+that session's endpoint, kills it at the episode timeout (its whole process group), runs the verifier, posts the
+reward and ends the session. A harness that crashes, hangs or exits non-zero ends as a *failed* episode with a reason
 (reward `failed_reward`, or none if not `score_failed`); a verifier that throws or prints garbage
 scores 0 and the reason is logged; the job goes on either way.
 
