@@ -79,6 +79,18 @@ async def test_an_expert_session_records_the_conversation_at_the_serving_version
     assert again.status_code == 409  # a session holds one episode
 
 
+async def test_an_expert_session_takes_no_model_call(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Its calls would train with ratio 1 as the expert's: the gateway answers 409 instead of asking the engine."""
+    async with fake_engine(tokenizer(tiny_model_dir), ["hello"]) as url, \
+            serve(tiny_model_dir, [url], tmp_path) as served:
+        s = await served.session(metadata={"expert": True})
+        async with httpx.AsyncClient(base_url=s["openai_base_url"],
+                                     headers={"Authorization": f"Bearer {s['api_key']}"}) as client:
+            r = await client.post("/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert served.pool.get_calls(s["session_id"]) == []
+    assert r.status_code == 409 and r.json()["error"]["code"] == "expert_session"
+
+
 async def test_a_demonstration_is_refused_where_it_would_pass_for_the_policy(tiny_model_dir: Path,
                                                                              tmp_path: Path) -> None:
     async with fake_engine(tokenizer(tiny_model_dir), []) as url, serve(tiny_model_dir, [url], tmp_path) as served:
