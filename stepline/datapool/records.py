@@ -59,6 +59,11 @@ class SessionInfo:
         return self.group_id if self.group_id is not None else f"{self.task_id}::{self.harness}"
 
     @property
+    def expert(self) -> bool:
+        """An expert's episode in a training group (`metadata["expert"]`): no policy sampled its calls."""
+        return self.metadata.get(EXPERT_KEY) is True
+
+    @property
     def fork_of(self) -> ForkPoint | None:
         """The session and call this one was forked from (`metadata["fork_of"]`), None for a root episode."""
         link = self.metadata.get(FORK_KEY)

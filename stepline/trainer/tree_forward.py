@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from stepline.datapool.records import EXPERT_KEY, EpisodeData, Node
+from stepline.datapool.records import EpisodeData, Node
 from stepline.trainer.algorithms.corrections import logprobs_and_entropy
 
 __all__ = ["ForestOutput", "PackedForest", "forest_forward", "naive_logprobs", "pack_forest", "training_nodes"]
@@ -187,7 +187,7 @@ def pack_forest(episodes: list[EpisodeData]) -> PackedForest:
     for e, episode in enumerate(episodes):
         root = roots.setdefault(episode.info.harness, _Segment([]))
         temps = _temperatures(episode)
-        expert = episode.info.metadata.get(EXPERT_KEY) is True
+        expert = episode.info.expert
         last: dict[int, Ref] = {-1: (root, -1)}  # node id -> reference to its last token
         for node in training_nodes(episode):
             if node.kind == "act" and len(node.tokens) and node.parent < 0:

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from stepline.datapool.records import EXPERT_KEY
 from stepline.trainer.algorithms import (
     ADVANTAGES,
     CLIP_RULES,
@@ -412,7 +411,7 @@ def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int
     by_harness: dict[str, list[float]] = defaultdict(list)  # the policy's episodes (an expert's are counted apart)
     experts = 0
     for ep, r in zip(batch.episodes, batch.outcome.tolist()):
-        if ep.info.metadata.get(EXPERT_KEY) is True:
+        if ep.info.expert:
             experts += 1
         else:
             by_harness[ep.info.harness].append(r)

@@ -29,7 +29,6 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json
 
-from stepline.datapool.records import EXPERT_KEY
 from stepline.gateway.config import GatewaySettings
 from stepline.gateway.frontends.errors import ApiError, from_validation, invalid
 from stepline.gateway.sessions import Session, SessionStore, bearer_key, is_admin_key
@@ -161,7 +160,7 @@ class Edge:
         if session.ended:
             raise ApiError(409, f"session {session.info.session_id} has ended", code="session_ended")
         calling = CALLING.get()
-        if calling is not None and session.info.metadata.get(EXPERT_KEY) is True:  # its calls would train as the expert's
+        if calling is not None and session.info.expert:  # its calls would train as the expert's
             raise ApiError(409, f"session {session.info.session_id} is an expert's: its calls come from POST "
                            "/sessions/<id>/demonstration, not from the model", code="expert_session")
         self.sessions.touch(session)

@@ -179,7 +179,7 @@ class SessionRoutes:
             raise ApiError(401, "recording a demonstration needs the admin token (Authorization: Bearer <token>)")
         session = self._owned(request)
         sid = session.info.session_id
-        if session.info.metadata.get(EXPERT_KEY) is not True:
+        if not session.info.expert:
             raise ApiError(400, f"session {sid} was not opened as an expert's (metadata.{EXPERT_KEY} = true): its "
                            "calls would train as the policy's own samples", param=f"metadata.{EXPERT_KEY}")
         if session.ended or session.next_call:
