@@ -86,6 +86,10 @@ class HarnessSpec(BaseModel):
                            "task id -> answer, or true for a module's own (`python -m <module>.tasks --references`)")
     tree_search: TreeSearch | None = Field(None, description="Tree-GRPO rollouts: groups of forked episodes (None: "
                                            "group_size independent episodes)")
+    temperature: float | None = Field(
+        None, ge=0, le=2, description="sampling temperature of this harness's training episodes, over [rollout] "
+                                      "temperature (exploration where its samples agree); evaluation keeps the "
+                                      "evaluation's or the rollouts' temperature")
     expert_per_group: int = Field(
         0, ge=0, description="off-policy guidance (LUFFY): this many of each training group's episodes are played by "
                              "the module's scripted expert (`run --expert`) and recorded as expert sessions, which "

@@ -178,8 +178,9 @@ class RolloutDriver:
 
     def open_session(self, spec: HarnessSpec, task_id: str, group_id: str | None,
                      metadata: dict[str, Any]) -> Awaitable[SessionHandle]:
-        """A session of this driver's purpose, sampled at the configured temperature (if any)."""
-        t = self.config.temperature
+        """A session of this driver's purpose, sampled at the configured temperature (if any): the harness's own
+        for training episodes where it sets one, else the rollouts'."""
+        t = spec.temperature if spec.temperature is not None and self.purpose == "train" else self.config.temperature
         return self.gateway.open_session(task_id, spec.name, group_id, metadata, self.purpose,
                                          None if t is None else {"temperature": t})
 

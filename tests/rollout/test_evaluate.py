@@ -13,7 +13,9 @@ from click.testing import CliRunner
 from session_standin import StandIn, session_standin
 
 from stepline.launch.commands import eval_command
+from stepline.rollout.client import GatewayClient
 from stepline.rollout.config import HarnessSpec, RolloutConfig
+from stepline.rollout.driver import RolloutDriver
 from stepline.rollout.evaluate import evaluate
 
 ONE = "echo '{\"reward\": 1, \"success\": true}'"
@@ -53,6 +55,21 @@ async def test_sessions_carry_the_temperature_of_the_rollouts_or_of_the_evaluati
     assert [b["sampling"] for b in trained] == [{"temperature": 0.7}] * 2
     assert [b["sampling"] for b in greedy] == [{"temperature": 0.0}] * 2
     assert all("sampling" not in b for b in unset)  # the harness's own sampling
+
+
+async def test_a_harness_temperature_is_for_training_episodes_only(tmp_path: Path) -> None:
+    hot = HarnessSpec(name="hot", tasks=["a"], command="true", verify_command=ONE, temperature=1.3)
+    config = RolloutConfig(harnesses=[hot, *_config().harnesses], group_size=2, temperature=0.7)
+    async with session_standin() as gw, GatewayClient(gw.url, "admin") as client:
+        driver = RolloutDriver(config, client, tmp_path)
+        for spec in config.harnesses:
+            await driver.run_group(spec, spec.tasks[0])  # type: ignore[index]
+        trained = {b["harness"]: b["sampling"] for b in gw.sessions.values()}
+        gw.sessions.clear()
+        await evaluate(config, gw.url, "admin", limit=1)
+        evaluated = {b["harness"]: b["sampling"] for b in gw.sessions.values()}
+    assert trained == {"hot": {"temperature": 1.3}, "good": {"temperature": 0.7}, "bad": {"temperature": 0.7}}
+    assert evaluated == {"hot": {"temperature": 0.7}, "good": {"temperature": 0.7}, "bad": {"temperature": 0.7}}
 
 
 @contextmanager
