@@ -75,6 +75,10 @@ class HarnessSpec(BaseModel):
         None, description="a regular expression: training rollouts draw only the task ids it matches (a curriculum "
                           "over tasks, e.g. the categories the warm start solves at times); demonstrations and "
                           "evaluation still use every task of their split")
+    train_kinds: list[str] | None = Field(
+        None, min_length=1, description="training rollouts draw only tasks of these kinds (a module's `tasks --kinds`; "
+                                        "a curriculum over kinds, e.g. leaving out the kind whose reward pulls the "
+                                        "policy everywhere); demonstrations and evaluation use every kind")
     max_turns: int | None = Field(None, ge=1, description="--max-turns passed to a module harness")
     max_tokens: int | None = Field(None, ge=1, le=4096, description="--max-tokens passed to a module harness")
     persistent: bool = Field(
@@ -117,6 +121,8 @@ class HarnessSpec(BaseModel):
         if self.expert_per_group and (self.module is None or self.tree_search is not None):
             raise ValueError(f"harness {self.name!r}: expert_per_group needs a module harness (its --expert mode) "
                              "and no tree_search")
+        if self.train_kinds is not None and self.module is None:
+            raise ValueError(f"harness {self.name!r}: train_kinds reads a module's task kinds (`tasks --kinds`)")
         if self.references is True and self.module is None:
             raise ValueError(f"harness {self.name!r}: references = true reads a module's gold answers; an external "
                              "command gives them as a table {task id = answer}")
@@ -162,13 +168,18 @@ def task_references(spec: HarnessSpec, split: str | None = None) -> dict[str, st
     """Gold answers by task id: the spec's table, a module's `tasks --references`, or none."""
     if isinstance(spec.references, dict) or not spec.references:
         return dict(spec.references or {})
-    argv = [sys.executable, "-m", f"{spec.module}.tasks", "--split", split or spec.split, "--references"]
+    return _module_table(spec, "--references", "gold answers", split)
+
+
+def _module_table(spec: HarnessSpec, flag: str, what: str, split: str | None = None) -> dict[str, str]:
+    """{task id: text} from a module's `tasks --split S FLAG`; a HarnessError saying what failed."""
+    argv = [sys.executable, "-m", f"{spec.module}.tasks", "--split", split or spec.split, flag]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         raise HarnessError(f"harness {spec.name!r}: {' '.join(argv)} failed: {done.stderr.strip()[-300:]}")
     table = json.loads(done.stdout)
     if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
-        raise HarnessError(f"harness {spec.name!r}: the tasks command printed no table of gold answers")
+        raise HarnessError(f"harness {spec.name!r}: the tasks command printed no table of {what}")
     return table
 
 
@@ -193,8 +204,17 @@ def tasks_matching(spec: HarnessSpec, ids: list[str], pattern: str | None, setti
 
 
 def training_tasks(spec: HarnessSpec) -> list[str]:
-    """The task ids training rollouts draw from: the spec's split, narrowed by `train_tasks_matching`."""
-    return tasks_matching(spec, list_tasks(spec), spec.train_tasks_matching, "train_tasks_matching")
+    """The task ids training rollouts draw from: the spec's split, narrowed by `train_tasks_matching` and
+    `train_kinds`."""
+    ids = tasks_matching(spec, list_tasks(spec), spec.train_tasks_matching, "train_tasks_matching")
+    if spec.train_kinds is None:
+        return ids
+    kinds = _module_table(spec, "--kinds", "task kinds")
+    unknown = sorted(set(spec.train_kinds) - set(kinds.values()))
+    if unknown:
+        raise HarnessError(f"harness {spec.name!r}: train_kinds {unknown} are not kinds of its tasks "
+                           f"(its kinds: {sorted(set(kinds.values()))})")
+    return [task_id for task_id in ids if kinds.get(task_id) in spec.train_kinds]
 
 
 def list_tasks(spec: HarnessSpec, split: str | None = None) -> list[str]:

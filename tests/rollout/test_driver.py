@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from session_standin import session_standin
 
+from stepline.agents.ui.world import tasks as ui_tasks
 from stepline.launch.job import load_job
 from stepline.rollout.client import GatewayClient
 from stepline.rollout.config import HarnessError, HarnessSpec, RolloutConfig, list_tasks, training_tasks
@@ -160,6 +161,20 @@ async def test_training_draws_only_the_tasks_the_curriculum_matches(tmp_path: Pa
         HarnessSpec(name="x", module="m", train_tasks_matching="(")
     with pytest.raises(HarnessError, match="train_tasks_matching '\\^z' matches none of its 3 tasks"):
         training_tasks(HarnessSpec(name="x", tasks=["a", "b", "c"], command="true", train_tasks_matching="^z"))
+
+
+def test_training_draws_only_the_kinds_the_curriculum_names() -> None:
+    spec = HarnessSpec(name="ui", module="stepline.agents.ui", train_kinds=["toggle", "buy"])
+    kinds = {t.id: t.kind for t in ui_tasks() if t.split == "train"}
+    drawn = training_tasks(spec)
+    assert drawn == [t for t in list_tasks(spec) if kinds[t] in ("toggle", "buy")]
+    assert {kinds[t] for t in drawn} == {"toggle", "buy"} and len(drawn) < len(kinds)
+    with pytest.raises(HarnessError, match=r"train_kinds \['tap'\] are not kinds of its tasks \(its kinds: \['add', 'ask'"):
+        training_tasks(HarnessSpec(name="ui", module="stepline.agents.ui", train_kinds=["toggle", "tap"]))
+    with pytest.raises(HarnessError, match="--kinds failed: (?s:.*)this harness.s tasks have no kinds"):
+        training_tasks(HarnessSpec(name="s", module="stepline.agents.search", train_kinds=["x"]))
+    with pytest.raises(ValueError, match="train_kinds reads a module's task kinds"):
+        HarnessSpec(name="x", tasks=["a"], command="true", train_kinds=["toggle"])
 
 
 def test_config_validation_and_job_file(tmp_path: Path) -> None:

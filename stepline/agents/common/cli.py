@@ -38,19 +38,23 @@ def failed(reason: str) -> Verdict:
 
 
 def tasks_command(split_ids: Callable[[str], list[str]],
-                  references: Callable[[str], dict[str, str]] | None = None) -> click.Command:
+                  references: Callable[[str], dict[str, str]] | None = None,
+                  kinds: Callable[[str], dict[str, str]] | None = None) -> click.Command:
     """`--split` -> prints the split's task ids as one JSON list; `--references` (for a harness whose tasks
-    have a gold answer) -> prints {task id: gold answer} instead (IGPO's reference)."""
+    have a gold answer) -> prints {task id: gold answer} instead (IGPO's reference); `--kinds` (for a harness
+    whose tasks come in kinds) -> prints {task id: kind} (a curriculum over kinds)."""
 
     @click.command()
     @click.option("--split", type=click.Choice(SPLITS), default="train", show_default=True)
     @click.option("--references", "with_references", is_flag=True, help="print {task id: gold answer}")
-    def tasks(split: str, with_references: bool) -> None:
-        if with_references:
-            if references is None:
-                raise click.UsageError("this harness's tasks have no gold answers")
-            click.echo(json.dumps(references(split)))
-            return
+    @click.option("--kinds", "with_kinds", is_flag=True, help="print {task id: kind}")
+    def tasks(split: str, with_references: bool, with_kinds: bool) -> None:
+        for flag, table, missing in ((with_references, references, "gold answers"), (with_kinds, kinds, "kinds")):
+            if flag:
+                if table is None:
+                    raise click.UsageError(f"this harness's tasks have no {missing}")
+                click.echo(json.dumps(table(split)))
+                return
         click.echo(json.dumps(split_ids(split)))
 
     return tasks
