@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/ui_first_taps.py ../runs/quickstart [more run dirs]
 
 For the first call of every UI test episode in RUN/eval/before.json and the last RUN/eval/after-N.json, read from the
-run's pool: a named tap ("Tap Sound." then {"id": n}) whose id is the named element's on the task's first screen,
-one whose id is another element's, a named label that is not on the screen, an `ask_user` call (and on how many
-tasks that need no question), or anything else. Guessing among three sections matches 1 in 3.
+run's pool: a named tap ("Tap Sound." then {"id": n}, after any screen lines the policy read down to it) whose id is
+the named element's on the task's first screen, one whose id is another element's, a named label that is not on the
+screen, an `ask_user` call (and on how many tasks that need no question), or anything else. Guessing among three sections matches 1 in 3.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from stepline.agents.ui.harness import find_id, make_app
 from stepline.agents.ui.world import task_by_id
 from stepline.datapool import open_pool
 
-NAMED_TAP = re.compile(r"^Tap (.+?)\.?\n<tool_call>\s*\{\"name\": \"tap\", \"arguments\": \{\"id\": (\d+)\}")
+# "Tap Sound." then the call, after any screen lines read down to the element ("[2] button Sound", "(more below)")
+NAMED_TAP = re.compile(r"^(?:(?:\[\d+\] .*|\(more (?:above|below)\))\n)*"
+                       r"Tap (.+?)\.?\n<tool_call>\s*\{\"name\": \"tap\", \"arguments\": \{\"id\": (\d+)\}")
 
 
 def first_call_kind(task_id: str, text: str) -> str:

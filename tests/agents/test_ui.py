@@ -94,8 +94,9 @@ def test_expert_solves_every_test_task_in_at_most_three_actions() -> None:
         assert len(episode.calls) <= 3 and episode.final == "Done."
 
 
-def test_expert_names_the_element_before_acting_on_it() -> None:
-    # each action follows a sentence with the label its id has on the screen it acts on (the demo a model copies)
+def test_expert_reads_the_screen_down_to_the_element_before_acting_on_it() -> None:
+    # each action follows the screen's lines copied from the top down to the element it acts on, then a sentence
+    # with its label: the id a model writes is the one it copied last (the demo a model copies)
     said = []
     for task_id in split_ids("test"):
         episode = play(task_id, MAX_TURNS, expert=True)
@@ -105,7 +106,9 @@ def test_expert_names_the_element_before_acting_on_it() -> None:
             name, args = call["function"]["name"], json.loads(call["function"]["arguments"])
             if name in ("tap", "type"):
                 label = find_label(screen, args["id"])
-                assert message["content"] == (f"Tap {label}." if name == "tap" else f"Type {args['text']} into {label}.")
+                *read, sentence = message["content"].split("\n")
+                assert read == screen.split("\n")[1 : len(read) + 1] and read[-1].startswith(f"[{args['id']}] ")
+                assert sentence == (f"Tap {label}." if name == "tap" else f"Type {args['text']} into {label}.")
             elif name == "scroll":
                 assert message["content"].endswith(" is not shown: scroll down.")
             said.append(name)

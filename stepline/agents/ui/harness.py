@@ -104,10 +104,18 @@ def find_id(screen: str, label: str) -> int | None:
     return next((i for i, shown_label in shown(screen) if shown_label == label), None)
 
 
+def read_down_to(screen: str, node_id: int) -> list[str]:
+    """The screen's lines below its title, from the top down to the element with this id."""
+    lines = screen.splitlines()[1:]
+    end = next(k for k, line in enumerate(lines) if (m := NODE_LINE.match(line)) and int(m.group(1)) == node_id)
+    return lines[: end + 1]
+
+
 class ExpertPolicy:
     """Follows the task's plan by reading the rendered screens; scrolls down to reach hidden items. Each action
-    comes after a sentence that names its element ("Tap Sound."): the id a model must write is then the one
-    shown next to a label it has just written (looked up, not recalled)."""
+    comes after the screen's lines copied from the top down to its element, then a sentence that names the element
+    ("[1] button Display\n[2] button Sound\nTap Sound."): the id a model must write is then the last one it copied,
+    where the screen shows each id before its label (copied forwards, not looked up backwards from the label)."""
 
     def __init__(self, task: Task, first_screen: str):
         self.goals = list(task.plan)
@@ -136,10 +144,11 @@ class ExpertPolicy:
                 return final_turn("I could not do it.")
             return said(f"{label} is not shown: scroll down.", tool_turn("scroll", turn, direction="down"))
         self.goals.pop(0)
+        read = "\n".join(read_down_to(self.screen, node_id))
         if action == "tap":
-            return said(f"Tap {label}.", tool_turn("tap", turn, id=node_id))
+            return said(f"{read}\nTap {label}.", tool_turn("tap", turn, id=node_id))
         text = args[1].replace("{reply}", self.reply)
-        return said(f"Type {text} into {label}.", tool_turn("type", turn, id=node_id, text=text))
+        return said(f"{read}\nType {text} into {label}.", tool_turn("type", turn, id=node_id, text=text))
 
 
 def play(task_id: str, max_turns: int, max_tokens: int = 128, expert: bool = False) -> Episode:
