@@ -214,7 +214,10 @@ def training_tasks(spec: HarnessSpec) -> list[str]:
     if unknown:
         raise HarnessError(f"harness {spec.name!r}: train_kinds {unknown} are not kinds of its tasks "
                            f"(its kinds: {sorted(set(kinds.values()))})")
-    return [task_id for task_id in ids if kinds.get(task_id) in spec.train_kinds]
+    kept = [task_id for task_id in ids if kinds.get(task_id) in spec.train_kinds]
+    if not kept:
+        raise HarnessError(f"harness {spec.name!r}: train_kinds {spec.train_kinds} match none of its {len(ids)} tasks")
+    return kept
 
 
 def list_tasks(spec: HarnessSpec, split: str | None = None) -> list[str]:

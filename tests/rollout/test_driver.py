@@ -171,6 +171,9 @@ def test_training_draws_only_the_kinds_the_curriculum_names() -> None:
     assert {kinds[t] for t in drawn} == {"toggle", "buy"} and len(drawn) < len(kinds)
     with pytest.raises(HarnessError, match=r"train_kinds \['tap'\] are not kinds of its tasks \(its kinds: \['add', 'ask'"):
         training_tasks(HarnessSpec(name="ui", module="stepline.agents.ui", train_kinds=["toggle", "tap"]))
+    with pytest.raises(HarnessError, match=r"train_kinds \['ask'\] match none of its 1 tasks"):  # ui-0000: a toggle
+        training_tasks(HarnessSpec(name="ui", module="stepline.agents.ui", train_kinds=["ask"],
+                                   train_tasks_matching="^ui-0000$"))
     with pytest.raises(HarnessError, match="--kinds failed: (?s:.*)this harness.s tasks have no kinds"):
         training_tasks(HarnessSpec(name="s", module="stepline.agents.search", train_kinds=["x"]))
     with pytest.raises(ValueError, match="train_kinds reads a module's task kinds"):
