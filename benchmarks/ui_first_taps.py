@@ -5,7 +5,8 @@
 For the first call of every UI test episode in RUN/eval/before.json and the last RUN/eval/after-N.json, read from the
 run's pool: a named tap ("Tap Sound." then {"id": n}, after any screen lines the policy read down to it) whose id is
 the named element's on the task's first screen, one whose id is another element's, a named label that is not on the
-screen, an `ask_user` call (and on how many tasks that need no question), or anything else. Guessing among three sections matches 1 in 3.
+screen, an `ask_user` call (and on how many tasks that need no question), or anything else. Guessing among three
+sections matches 1 in 3.
 """
 
 from __future__ import annotations
