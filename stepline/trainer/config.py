@@ -113,6 +113,10 @@ class TrainerConfig(BaseModel):
     failure_coef: float = Field(0.0, ge=0, description="negative reinforcement (NSR): subtracted from every step's "
                                 "advantage of an episode whose outcome stayed below imitation_min_outcome; groups "
                                 "that all failed then train too instead of being skipped (0: off)")
+    expert_sft_coef: float = Field(0.0, ge=0, description="an expert's episodes in a training group "
+                                   "(`expert_per_group`): 0 trains them as group members, by the policy gradient "
+                                   "with their advantage; > 0 leaves them out of the group's baseline and trains "
+                                   "their tokens by cross-entropy with this weight, an imitation anchor beside RL")
     kl_coef: float = Field(0.0, ge=0, description="weight of KL(policy || frozen reference); 0 loads no reference")
     kl_estimator: str = Field("k3", description="a key of KL_ESTIMATORS: k1 | k2 | k3")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -103,6 +103,7 @@ class Objective:
     imitation_coef: float = 0.0  # self-imitation bonus on episodes with outcome >= imitation_min_outcome
     imitation_min_outcome: float = 1.0
     failure_coef: float = 0.0  # negative reinforcement on episodes with outcome < imitation_min_outcome
+    expert_sft_coef: float = 0.0  # > 0: experts' episodes leave their groups and train by cross-entropy × this
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -240,6 +241,8 @@ def _advantages(batch: Batch, plan, aux, obj: Objective, gold: torch.Tensor | No
                 owned[view.step_ids[first]] = a.values[first.to(a.values.device)].float().cpu()
         values = ranks.sum_tensor(owned)[batch.owner_rows()]
     inputs = batch.advantage_inputs(values, gold)
+    if obj.expert_sft_coef > 0:  # each expert episode its own group of one: out of the policy's baseline, advantage 0
+        inputs = replace(inputs, episode_group=apart(inputs.episode_group, [ep.info.expert for ep in batch.episodes]))
     advantages = ADVANTAGES[obj.advantage](inputs, **obj.advantage_args)
     if obj.imitation_coef > 0 or obj.failure_coef > 0:
         bonus = imitation_bonus(inputs.outcome, coef=obj.imitation_coef, min_outcome=obj.imitation_min_outcome,
@@ -251,6 +254,14 @@ def _advantages(batch: Batch, plan, aux, obj: Objective, gold: torch.Tensor | No
     if obj.advantage == "capo":  # CAPO's critic regresses on the one-step TD target r + γ V(s')
         gae["lam"] = 0.0
     return advantages, value_targets(inputs, **gae), values
+
+
+def apart(group: torch.Tensor, alone: list[bool]) -> torch.Tensor:
+    """Group indices [E] with each episode marked `alone` moved to a new group of its own."""
+    out = group.clone()
+    rows = [i for i, a in enumerate(alone) if a]
+    out[rows] = int(group.max()) + 1 + torch.arange(len(rows), dtype=group.dtype)
+    return out
 
 
 def _token_mask(view: TokenView, obj: Objective, version: int) -> torch.Tensor:
@@ -339,6 +350,10 @@ def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, 
             _record(stats, "kl_ref", kl, mask)
         if obj.entropy_coef:
             per_token = per_token - obj.entropy_coef * out.entropy
+        if obj.expert_sft_coef > 0 and view.forest.expert.any():
+            expert = view.forest.expert.to(dev)
+            per_token = torch.where(expert, -obj.expert_sft_coef * logp, per_token)
+            _record(stats, "expert_nll", -logp.detach(), mask & expert)
         _record(stats, "ratio", ratio.detach(), mask)
         _record(stats, "clip_frac", surrogate.clipped.float(), mask)
         _record(stats, "dual_clip_frac", surrogate.dual_clipped.float(), mask)

@@ -395,3 +395,36 @@ def test_an_experts_tokens_train_as_the_policys_own_samples(tiny_model_dir: Path
             assert m["ratio_min"] == pytest.approx(1, abs=1e-5) and m["ratio_max"] == pytest.approx(1, abs=1e-5)
     torch.testing.assert_close(steps[0], steps[1], atol=1e-6, rtol=0)
     assert (steps[0] - steps[2]).abs().max() > 1e-4
+
+
+def test_an_expert_under_sft_anchor_trains_by_cross_entropy_outside_the_groups_baseline(tiny_model_dir: Path,
+                                                                                       tmp_path: Path) -> None:
+    """expert_sft_coef = c: a group of an expert (reward 1) and three policy episodes (1, 0, 0) takes, in one plain
+    SGD step over its 4 episodes, (c × the SFT step on the expert alone + 3 × the RL step on the three policy episodes
+    alone) / 4: the expert's tokens get c × their cross-entropy, and the policy's advantages are those of its own
+    three (GRPO: +1.155, -0.577, -0.577), not lowered by the expert's success."""
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(10, 3000, (8,), generator=g).tolist()
+    outs = [torch.randint(10, 3000, (5,), generator=g).tolist() for _ in range(4)]
+    c = 0.5
+
+    def step(indices: list[int], **kw) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg, policy = policy_for(tiny_model_dir, tmp_path, max_grad_norm=1e6, **kw)
+        policy.optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+        policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda _: 1.0)
+        episodes = []
+        for i in indices:  # episode 0 is the expert's
+            lps = [0.0] * 5 if i == 0 else own_logprobs(policy.model, prompt, outs[i])
+            episodes.append(episode_from_calls(f"s{i}", [FakeCall(prompt, outs[i], lps)], outcome=float(i <= 1)))
+            episodes[-1].info.metadata["expert"] = i == 0
+        before = flat(policy.model)
+        m = update(policy, build_batch([Group("g", "t::h", episodes, 0)], keep_group=lambda _: None),
+                   objective(cfg, 0, False), version=0)
+        return flat(policy.model) - before, m
+
+    anchored, m = step([0, 1, 2, 3], expert_sft_coef=c)
+    sft, _ = step([0], mode="sft")
+    rl, rl_metrics = step([1, 2, 3])
+    torch.testing.assert_close(anchored, (c * sft + 3 * rl) / 4, atol=1e-6, rtol=1e-4)
+    assert rl_metrics["adv_max"] == pytest.approx(2 / 3 / math.sqrt(1 / 3), abs=1e-4)
+    assert m["adv_max"] == pytest.approx(rl_metrics["adv_max"], abs=1e-4) and m["expert_nll_max"] > 0
