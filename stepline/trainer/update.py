@@ -242,7 +242,7 @@ def _advantages(batch: Batch, plan, aux, obj: Objective, gold: torch.Tensor | No
         values = ranks.sum_tensor(owned)[batch.owner_rows()]
     inputs = batch.advantage_inputs(values, gold)
     if obj.expert_sft_coef > 0:  # each expert episode its own group of one: out of the policy's baseline, advantage 0
-        inputs = replace(inputs, episode_group=apart(inputs.episode_group, [ep.info.expert for ep in batch.episodes]))
+        inputs = replace(inputs, episode_group=_apart(inputs.episode_group, [ep.info.expert for ep in batch.episodes]))
     advantages = ADVANTAGES[obj.advantage](inputs, **obj.advantage_args)
     if obj.imitation_coef > 0 or obj.failure_coef > 0:
         bonus = imitation_bonus(inputs.outcome, coef=obj.imitation_coef, min_outcome=obj.imitation_min_outcome,
@@ -256,10 +256,12 @@ def _advantages(batch: Batch, plan, aux, obj: Objective, gold: torch.Tensor | No
     return advantages, value_targets(inputs, **gae), values
 
 
-def apart(group: torch.Tensor, alone: list[bool]) -> torch.Tensor:
+def _apart(group: torch.Tensor, alone: list[bool]) -> torch.Tensor:
     """Group indices [E] with each episode marked `alone` moved to a new group of its own."""
-    out = group.clone()
     rows = [i for i, a in enumerate(alone) if a]
+    if not rows:
+        return group
+    out = group.clone()
     out[rows] = int(group.max()) + 1 + torch.arange(len(rows), dtype=group.dtype)
     return out
 
