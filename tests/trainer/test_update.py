@@ -418,7 +418,7 @@ def test_an_expert_under_sft_anchor_trains_by_cross_entropy_outside_the_groups_b
             episodes.append(episode_from_calls(f"s{i}", [FakeCall(prompt, outs[i], lps)], outcome=float(i <= 1)))
             episodes[-1].info.metadata["expert"] = i == 0
         before = flat(policy.model)
-        m = update(policy, build_batch([Group("g", "t::h", episodes, 0)], keep_group=lambda _: None),
+        m = update(policy, build_batch([Group("g", "t::h", episodes, 0)]),
                    objective(cfg, 0, False), version=0)
         return flat(policy.model) - before, m
 
