@@ -6,7 +6,7 @@ it), skipped with that reason otherwise. The oracle is transformers on the weigh
 (`oracle.teacher_forced`):
 - right before each evaluation (on version 0, then 2) vLLM's own weight label is the version and its greedy
   tokens and logprobs on a fixed prompt are those of that version's weights (1e-4);
-- every call the pool recorded carries the logprobs of the weights of the version stamped on it (1e-4),
+- every call the pool recorded from vLLM (not an expert's episode) carries the logprobs of the weights of the version stamped on it (1e-4),
   and for the calls stamped after a push, not those of the weights before it.
 """
 
@@ -116,9 +116,13 @@ def test_every_recorded_call_has_the_logprobs_of_its_stamped_version(vllm_run) -
     weights = version_weights(run_dir)
     pool = open_pool(f"sqlite:///{run_dir / 'pool.db'}", read_only=True)
     try:
-        calls = [c for s in pool.list_sessions() for c in pool.get_calls(s.session_id)]  # type: ignore[attr-defined]
+        sessions = pool.list_sessions()
+        calls = [c for s in sessions if not s.expert for c in pool.get_calls(s.session_id)]  # type: ignore[attr-defined]
+        demos = [c for s in sessions if s.expert for c in pool.get_calls(s.session_id)]  # type: ignore[attr-defined]
     finally:
         pool.close()
+    # the UI expert's episodes in training groups were sampled by no policy: their calls carry logprobs 0
+    assert all(not c.output_logprobs.any() for c in demos)
     assert {0, 2} <= {c.weight_version for c in calls}  # version 1 only if a rollout batch waited for push 1
     moved = []
     for call in calls:
