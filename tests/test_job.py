@@ -146,3 +146,10 @@ def test_run_names_the_tables_it_does_not_read(tmp_path: Path) -> None:
     assert len(ray) == 1 and "[cluster] pool_url" in ray[0]
     job.write_text('run_dir = "r"\n[trainer]\nlr = 1e-4\n')
     assert unused_by_run(load_job(job), on_ray=False) == []
+
+
+def test_run_says_an_imitation_anchor_without_experts_does_nothing() -> None:
+    quickstart = Path(__file__).parents[1] / "examples" / "quickstart.toml"
+    assert unused_by_run(load_job(quickstart), on_ray=False) == []
+    notes = unused_by_run(load_job(quickstart, {"rollout.harnesses.2.expert_per_group": 0}), on_ray=False)
+    assert len(notes) == 1 and notes[0].startswith("trainer.expert_sft_coef = 1.0") and "does nothing" in notes[0]

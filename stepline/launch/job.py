@@ -251,8 +251,12 @@ class JobConfig(_Section):
 
 
 def unused_by_run(cfg: JobConfig, on_ray: bool) -> list[str]:
-    """The tables a job file sets that `stepline run` (with or without --ray) does not read, each with why."""
+    """The tables a job file sets that `stepline run` (with or without --ray) does not read, and the settings that
+    do nothing in it, each with why."""
     notes = []
+    if cfg.trainer.get("expert_sft_coef") and not any(h.expert_per_group for h in cfg.rollout.harnesses):
+        notes.append(f"trainer.expert_sft_coef = {cfg.trainer['expert_sft_coef']} trains the experts' episodes of "
+                     "training groups, and no harness plays any (rollout.harnesses.N.expert_per_group): it does nothing")
     if "pool" in cfg.model_fields_set:
         notes.append(f"[pool] is read by `stepline train` and `replay`; `stepline run` keeps its pool in "
                      f"{cfg.run_dir / 'pool.db'}" + (" (with --ray: [cluster] pool_url)" if on_ray else ""))
