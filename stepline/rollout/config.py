@@ -75,10 +75,12 @@ class HarnessSpec(BaseModel):
         None, description="a regular expression: training rollouts draw only the task ids it matches (a curriculum "
                           "over tasks, e.g. the categories the warm start solves at times); demonstrations and "
                           "evaluation still use every task of their split")
-    train_kinds: list[str] | None = Field(
+    train_kinds: list[str] | dict[str, int] | None = Field(
         None, min_length=1, description="training rollouts draw only tasks of these kinds (a module's `tasks --kinds`; "
                                         "a curriculum over kinds, e.g. leaving out the kind whose reward pulls the "
-                                        "policy everywhere); demonstrations and evaluation use every kind")
+                                        "policy everywhere); a table {kind = n} also weights them: each task of the "
+                                        "kind comes n times in each pass over the tasks. Demonstrations and evaluation "
+                                        "use every kind once")
     max_turns: int | None = Field(None, ge=1, description="--max-turns passed to a module harness")
     max_tokens: int | None = Field(None, ge=1, le=4096, description="--max-tokens passed to a module harness")
     persistent: bool = Field(
@@ -106,6 +108,14 @@ class HarnessSpec(BaseModel):
         if module is not None and ".".join(module.split(".")[:2]) in MOVED:
             raise ValueError(f"module {module!r} moved into the stepline package: use 'stepline.{module}'")
         return module
+
+    @field_validator("train_kinds")
+    @classmethod
+    def _whole_repeats(cls, kinds: list[str] | dict[str, int] | None) -> list[str] | dict[str, int] | None:
+        if isinstance(kinds, dict) and (bad := {kind: n for kind, n in kinds.items() if n < 1}):
+            raise ValueError(f"a kind's weight is how many times each of its tasks comes per pass, at least 1 "
+                             f"(leave a kind out to draw none of it): {bad}")
+        return kinds
 
     @field_validator("train_tasks_matching")
     @classmethod
@@ -205,7 +215,7 @@ def tasks_matching(spec: HarnessSpec, ids: list[str], pattern: str | None, setti
 
 def training_tasks(spec: HarnessSpec) -> list[str]:
     """The task ids training rollouts draw from: the spec's split, narrowed by `train_tasks_matching` and
-    `train_kinds`."""
+    `train_kinds` (an id repeated n times where its kind has weight n)."""
     ids = tasks_matching(spec, list_tasks(spec), spec.train_tasks_matching, "train_tasks_matching")
     if spec.train_kinds is None:
         return ids
@@ -214,7 +224,8 @@ def training_tasks(spec: HarnessSpec) -> list[str]:
     if unknown:
         raise HarnessError(f"harness {spec.name!r}: train_kinds {unknown} are not kinds of its tasks "
                            f"(its kinds: {sorted(set(kinds.values()))})")
-    kept = [task_id for task_id in ids if kinds.get(task_id) in spec.train_kinds]
+    weights = spec.train_kinds if isinstance(spec.train_kinds, dict) else dict.fromkeys(spec.train_kinds, 1)
+    kept = [task_id for task_id in ids for _ in range(weights.get(kinds.get(task_id, ""), 0))]
     if not kept:
         raise HarnessError(f"harness {spec.name!r}: train_kinds {spec.train_kinds} match none of its {len(ids)} tasks")
     return kept

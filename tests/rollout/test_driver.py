@@ -180,6 +180,19 @@ def test_training_draws_only_the_kinds_the_curriculum_names() -> None:
         HarnessSpec(name="x", tasks=["a"], command="true", train_kinds=["toggle"])
 
 
+def test_a_kind_weighted_curriculum_repeats_each_task_of_a_kind_by_its_weight() -> None:
+    """{toggle = 3, buy = 1}: each toggle task comes 3 times per pass over the tasks, each buy task once, so
+    the shuffled draw gives toggles 3 times their share; the other kinds are left out as with a list."""
+    kinds = {t.id: t.kind for t in ui_tasks() if t.split == "train"}
+    spec = HarnessSpec(name="ui", module="stepline.agents.ui", train_kinds={"toggle": 3, "buy": 1})
+    drawn = training_tasks(spec)
+    toggles = [t for t in list_tasks(spec) if kinds[t] == "toggle"]
+    buys = [t for t in list_tasks(spec) if kinds[t] == "buy"]
+    assert sorted(drawn) == sorted(toggles * 3 + buys) and len(toggles) > 0 and len(buys) > 0
+    with pytest.raises(ValueError, match=r"a kind's weight is how many times .* at least 1 .*\{'toggle': 0\}"):
+        HarnessSpec(name="ui", module="stepline.agents.ui", train_kinds={"toggle": 0})
+
+
 def test_config_validation_and_job_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="exactly one of module or command"):
         HarnessSpec(name="x")
