@@ -7,6 +7,10 @@ run's pool: a named tap ("Tap Sound." then {"id": n}, after any screen lines the
 the named element's on the task's first screen, one whose id is another element's, a named label that is not on the
 screen, an `ask_user` call (and on how many tasks that need no question), or anything else. Guessing among three
 sections matches 1 in 3.
+
+Then the toggle tasks' path ("Turn on Vibrate.": tap the section that holds the switch, then the switch): the
+section named in the first call right or wrong, and on the right section's screen the second call's named switch:
+the right one, one the policy stopped reading at before it (above), one it read past it to (below), or no named tap.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 import click
 from tokenizers import Tokenizer
 
+from stepline.agents.ui.apps import SECTIONS
 from stepline.agents.ui.harness import find_id, make_app
 from stepline.agents.ui.world import task_by_id
 from stepline.datapool import open_pool
@@ -41,6 +46,24 @@ def first_call_kind(task_id: str, text: str) -> str:
     return "id of the named element" if shown == int(match.group(2)) else "id of another element"
 
 
+def toggle_path(task_id: str, texts: list[str]) -> str:
+    """Where a toggle task's episode went: section right or wrong, then which switch it named on that screen."""
+    section, switch = (goal[1] for goal in task_by_id()[task_id].plan)
+    taps = [match.group(1) if (match := NAMED_TAP.match(text)) else None for text in texts[:2]]
+    if taps[0] != section:
+        return "wrong section" if taps[0] else "no named section tap"
+    named = taps[1] if len(taps) > 1 else None
+    if named is None:
+        return "right section, no named switch tap"
+    if named == switch:
+        return "right section, right switch"
+    order = [*SECTIONS[section]]
+    if named not in order:
+        return "right section, a label not on the screen"
+    return "right section, switch above it" if order.index(named) < order.index(switch) else \
+        "right section, switch below it"
+
+
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 def main(runs: tuple[Path, ...]) -> None:
@@ -50,11 +73,17 @@ def main(runs: tuple[Path, ...]) -> None:
         afters = sorted(run.glob("eval/after-*.json"), key=lambda p: int(p.stem.split("-")[1]))
         for path in [run / "eval" / "before.json", *afters[-1:]]:
             kinds: Counter[str] = Counter()
+            toggles: Counter[str] = Counter()
             for episode in json.loads(path.read_text())["episodes"]:
                 calls = pool.get_calls(episode["session_id"]) if episode["harness"] == "ui" else []
-                if calls:
-                    kinds[first_call_kind(episode["task_id"], tokenizer.decode(calls[0].output_ids.tolist()))] += 1
+                if not calls:
+                    continue
+                texts = [tokenizer.decode(call.output_ids.tolist()) for call in calls]
+                kinds[first_call_kind(episode["task_id"], texts[0])] += 1
+                if task_by_id()[episode["task_id"]].kind == "toggle":
+                    toggles[toggle_path(episode["task_id"], texts)] += 1
             print(f"{run.name} {path.stem}: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+            print(f"{run.name} {path.stem} toggles: " + ", ".join(f"{k} {n}" for k, n in sorted(toggles.items())))
         pool.close()
 
 
