@@ -128,9 +128,11 @@ def test_a_bounded_job_on_a_cpu_without_bf16_units_says_what_to_expect(tmp_path:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(stepline.trainer.precision, "bf16_units", lambda device: False)  # an AVX2-only CPU
     note = slow_cpu_note(load_job(job))
-    assert note is not None and "no bf16 units" in note and "job_minutes = 28" in note
-    job.write_text("rl_updates = 3\n")  # no time bound: slower, but nothing is cut short
-    assert slow_cpu_note(load_job(job)) is None
+    assert note is not None and "no bf16 units" in note and "job_minutes = 28" in note and "job_minutes=75" in note
+    for fields in ("rl_updates = 3\n",  # no time bound: slower, but nothing is cut short
+                   "job_minutes = 75\n"):  # the bound the quickstart's 40 float32 updates fit in
+        job.write_text(fields)
+        assert slow_cpu_note(load_job(job)) is None
     job.write_text("job_minutes = 28\n")
     monkeypatch.setattr(stepline.trainer.precision, "bf16_units", lambda device: True)  # AVX512-BF16 or AMX
     assert slow_cpu_note(load_job(job)) is None

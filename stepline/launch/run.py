@@ -91,19 +91,22 @@ def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[
 
 
 def slow_cpu_note(cfg: JobConfig) -> str | None:
-    """A word before a time-bounded job starts on a CPU without bf16 units: SFT and evaluation then take most of
-    the bound (docs/results.md: The main job)."""
+    """A word before a job bounded by less than the quickstart needs on a CPU without bf16 units: in float32 its
+    SFT and evaluations take ~20 min and an update ~80 s, so RL fits few updates (docs/results.md: The main job)."""
     import torch
 
     from stepline.trainer.precision import bf16_units
 
-    if cfg.job_minutes is None or torch.cuda.is_available() or bf16_units(torch.device("cpu")):
+    if (cfg.job_minutes is None or cfg.job_minutes >= FLOAT32_QUICKSTART_MINUTES or torch.cuda.is_available()
+            or bf16_units(torch.device("cpu"))):
         return None
-    return (f"this CPU has no bf16 units (AVX512-BF16 or AMX): float32 runs at about a fifth of an AMX CPU's speed "
-            f"(the quickstart's SFT: 9.7 min against 2.0) and bf16 slower still, so the warm start and the "
-            f"evaluations take most of job_minutes = {cfg.job_minutes:g} and RL fits few updates")
+    return (f"this CPU has no bf16 units (AVX512-BF16 or AMX): in float32 the quickstart's SFT and its two evaluations "
+            f"took 20 min on a 2-core AVX2 EPYC (7 on AMX) and an RL update 80 s (33), so job_minutes = "
+            f"{cfg.job_minutes:g} leaves RL few updates; with its 40 updates it took 73 min in all "
+            f"(--set job_minutes={FLOAT32_QUICKSTART_MINUTES})")
 
 
+FLOAT32_QUICKSTART_MINUTES = 75  # the quickstart's whole job, 40 updates, float32 on a 2-core AVX2 EPYC: 73.4 min
 
 
 def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> int:
