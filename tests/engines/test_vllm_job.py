@@ -6,8 +6,8 @@ it), skipped with that reason otherwise. The oracle is transformers on the weigh
 (`oracle.teacher_forced`):
 - right before each evaluation (on version 0, then 2) vLLM's own weight label is the version and its greedy
   tokens and logprobs on a fixed prompt are those of that version's weights (1e-4);
-- every call the pool recorded from vLLM (not an expert's episode) carries the logprobs of the weights of the version stamped on it (1e-4),
-  and for the calls stamped after a push, not those of the weights before it.
+- every call the pool recorded from vLLM (not an expert's episode) carries the logprobs of the weights of the
+  version stamped on it (1e-4), and for the calls stamped after a push, not those of the weights before it.
 """
 
 from __future__ import annotations
