@@ -27,6 +27,7 @@ from stepline.agents.ui.apps import SECTIONS
 from stepline.agents.ui.harness import find_id, make_app
 from stepline.agents.ui.world import task_by_id
 from stepline.datapool import open_pool
+from stepline.datapool.base import UnknownSession
 
 # "Tap Sound." then the call, after any screen lines read down to the element ("[2] button Sound", "(more below)")
 NAMED_TAP = re.compile(r"^(?:(?:\[\d+\] .*|\(more (?:above|below)\))\n)*"
@@ -75,7 +76,10 @@ def main(runs: tuple[Path, ...]) -> None:
             kinds: Counter[str] = Counter()
             toggles: Counter[str] = Counter()
             for episode in json.loads(path.read_text())["episodes"]:
-                calls = pool.get_calls(episode["session_id"]) if episode["harness"] == "ui" else []
+                try:  # a run resumed in a copy of another's directory lacks that run's pool
+                    calls = pool.get_calls(episode["session_id"]) if episode["harness"] == "ui" else []
+                except UnknownSession:
+                    calls = []
                 if not calls:
                     continue
                 texts = [tokenizer.decode(call.output_ids.tolist()) for call in calls]
