@@ -58,11 +58,10 @@ def toggle_path(task_id: str, texts: list[str]) -> str:
         return "right section, no named switch tap"
     if named == switch:
         return "right section, right switch"
-    order = [*SECTIONS[section]]
+    order = SECTIONS[section]
     if named not in order:
         return "right section, a label not on the screen"
-    return "right section, switch above it" if order.index(named) < order.index(switch) else \
-        "right section, switch below it"
+    return f"right section, switch {'above' if order.index(named) < order.index(switch) else 'below'} it"
 
 
 @click.command()
@@ -76,10 +75,12 @@ def main(runs: tuple[Path, ...]) -> None:
             kinds: Counter[str] = Counter()
             toggles: Counter[str] = Counter()
             for episode in json.loads(path.read_text())["episodes"]:
-                try:  # a run resumed in a copy of another's directory lacks that run's pool
-                    calls = pool.get_calls(episode["session_id"]) if episode["harness"] == "ui" else []
-                except UnknownSession:
-                    calls = []
+                if episode["harness"] != "ui":
+                    continue
+                try:
+                    calls = pool.get_calls(episode["session_id"])
+                except UnknownSession:  # a run resumed in a copy of another's directory lacks that run's pool
+                    continue
                 if not calls:
                     continue
                 texts = [tokenizer.decode(call.output_ids.tolist()) for call in calls]

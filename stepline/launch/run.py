@@ -90,6 +90,9 @@ def services(cfg: JobConfig, run: RunDir, policy: Path, token: str) -> Iterator[
         yield urls["gateway"]
 
 
+FLOAT32_QUICKSTART_MINUTES = 75  # the quickstart's whole job, 40 updates, float32 on a 2-core AVX2 EPYC: 73.4 min
+
+
 def slow_cpu_note(cfg: JobConfig) -> str | None:
     """A word before a job bounded by less than the quickstart needs on a CPU without bf16 units: in float32 its
     SFT and evaluations take ~20 min and an update ~80 s, so RL fits few updates (docs/results.md: The main job)."""
@@ -104,9 +107,6 @@ def slow_cpu_note(cfg: JobConfig) -> str | None:
             f"took 20 min on a 2-core AVX2 EPYC (7 on AMX) and an RL update 80 s (33), so job_minutes = "
             f"{cfg.job_minutes:g} leaves RL few updates; with its 40 updates it took 73 min in all "
             f"(--set job_minutes={FLOAT32_QUICKSTART_MINUTES})")
-
-
-FLOAT32_QUICKSTART_MINUTES = 75  # the quickstart's whole job, 40 updates, float32 on a 2-core AVX2 EPYC: 73.4 min
 
 
 def train_rl(cfg: JobConfig, run: RunDir, tcfg: TrainerConfig) -> int:
