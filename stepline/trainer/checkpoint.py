@@ -8,8 +8,8 @@ holds (`Pool.claimed_groups`):
     in the checkpoint               -> trained into the restored model: (re-)mark it consumed, never again
     claimed, not in the checkpoint  -> the model that trained it is lost (or it never arrived): release it
 
-A checkpoint is a directory `ckpt-{update:06d}` (HF model in safetensors, optimizer, scheduler, value head,
-RNG states, `state.json`) written under a temporary name and renamed; `latest` names the newest one and
+A checkpoint is a directory `ckpt-{update:06d}` (HF model in safetensors with the source model's tokenizer and
+chat template, so `model/` serves as it is; optimizer, scheduler, value head, RNG states, `state.json`) written under a temporary name and renamed; `latest` names the newest one and
 is replaced atomically, so a crash mid-write leaves the previous checkpoint intact.
 """
 
@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from stepline.trainer.weight_sync import copy_tokenizer_files
+
 __all__ = ["TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 
@@ -42,13 +44,18 @@ class TrainerState:
 
 
 def save_checkpoint(root: Path, state: TrainerState, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, value_head: nn.Module | None = None, keep: int = 2) -> Path:
+                    scheduler: Any, value_head: nn.Module | None = None, keep: int = 2,
+                    tokenizer_from: Path | None = None) -> Path:
+    """Write the checkpoint of `state.update`; `tokenizer_from`: the model directory whose tokenizer files go
+    beside the weights. Keeps the newest `keep`."""
     root = Path(root)
     out = root / f"ckpt-{state.update:06d}"
     tmp = root / f".{out.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp / "model", safe_serialization=True)
+    if tokenizer_from is not None:
+        copy_tokenizer_files(tokenizer_from, tmp / "model")
     extra = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
              "value_head": value_head.state_dict() if value_head is not None else None}
     torch.save(extra, tmp / "trainer.pt")

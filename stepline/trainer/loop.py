@@ -253,7 +253,7 @@ def checkpoint(cfg: TrainerConfig, policy: Policy, state: TrainerState, claims: 
     """Model and `consumed` land on disk together; only then does the pool hear that the groups are consumed
     (with the pool unavailable they stay in `unacked`, sent with the next checkpoint or by the restart)."""
     save_checkpoint(cfg.output_dir / "checkpoints", state, policy.model, policy.optimizer, policy.scheduler,
-                    policy.value_head)
+                    policy.value_head, tokenizer_from=cfg.model_dir)
     if state.unacked and claims.mark_consumed(state.unacked):
         state.unacked = []
 

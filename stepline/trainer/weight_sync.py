@@ -33,7 +33,7 @@ from stepline._retry import RetryPolicy, transport_error
 from stepline.trainer.trainable import full_state_dict, has_lora
 
 __all__ = ["FanOutWeightSync", "GatewayWeightSync", "NoWeightSync", "RecordingWeightSync", "WeightSync", "WeightSyncError",
-           "prune_weights", "save_weights", "saved_weights"]
+           "copy_tokenizer_files", "prune_weights", "save_weights", "saved_weights"]
 
 # files of the source model directory the engine needs next to the weights
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -77,13 +77,18 @@ def save_weights(model: nn.Module, root: Path, version: int, source_dir: Path, k
     shutil.rmtree(tmp, ignore_errors=True)
     state = full_state_dict(model) if has_lora(model) else None  # None: HF saves model.state_dict() itself
     model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
-    for name in _TOKENIZER_FILES:
-        if (Path(source_dir) / name).is_file():
-            shutil.copy2(Path(source_dir) / name, tmp / name)
+    copy_tokenizer_files(source_dir, tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # an engine never sees a half-written directory
     prune_weights(root, keep, protect)
     return out
+
+
+def copy_tokenizer_files(source_dir: Path, dest: Path) -> None:
+    """Copy the tokenizer, chat template and generation config of `source_dir` that exist into `dest`."""
+    for name in _TOKENIZER_FILES:
+        if (Path(source_dir) / name).is_file():
+            shutil.copy2(Path(source_dir) / name, Path(dest) / name)
 
 
 def prune_weights(root: Path, keep: int, protect: Path | None = None) -> None:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 from trainer_helpers import rollout, toy_target
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stepline.datapool import open_pool
+from stepline.gateway.templating import ChatTemplate
 from stepline.trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from stepline.trainer.config import TrainerConfig
 from stepline.trainer.loop import build_policy, train
@@ -55,6 +56,13 @@ def test_restart_releases_claims_it_never_learnt_of(tiny_model_dir: Path, tmp_pa
         sorted(s.session_id for s in pool.list_sessions())
     assert pool.claimed_groups("trainer") == [] and len(orphans) == 2
     pool.close()
+    # the checkpoint's model directory is a policy one serves as it is (`stepline up --model ...`): weights,
+    # tokenizer and chat template
+    served = latest_checkpoint(tmp_path / "run" / "checkpoints") / "model"
+    template = ChatTemplate.from_model_dir(served)
+    assert template.render([{"role": "user", "content": "hi"}], None, True) == \
+        ChatTemplate.from_model_dir(tiny_model_dir).render([{"role": "user", "content": "hi"}], None, True)
+    assert AutoTokenizer.from_pretrained(served)("hi").input_ids == AutoTokenizer.from_pretrained(tiny_model_dir)("hi").input_ids
 
 
 def test_kill_9_then_restart_trains_every_group_once(tiny_model_dir: Path, tmp_path: Path) -> None:
