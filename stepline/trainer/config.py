@@ -119,7 +119,8 @@ class TrainerConfig(BaseModel):
                                    "their tokens by cross-entropy with this weight, an imitation anchor beside RL")
     kl_coef: float = Field(0.0, ge=0, description="weight of KL(policy || frozen reference); 0 loads no reference")
     kl_estimator: str = Field("k3", description="a key of KL_ESTIMATORS: k1 | k2 | k3")
-    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
+    entropy_coef: float = Field(0.0, ge=-1, le=1, description="entropy bonus weight; negative: entropy "
+                                "minimisation, which sharpens the sampled distribution towards its mode")
 
     # --- critic ---
     critic: bool = Field(False, description="train a value head on the policy's final hidden states")

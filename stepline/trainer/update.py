@@ -313,7 +313,7 @@ def _micro_loss(policy: Policy, view: TokenView, aux: _Aux, mask: torch.Tensor, 
                 units: int, value_units: int, stats: dict[str, list[float]]) -> torch.Tensor:
     with policy.forward_context():
         out = forest_forward(policy.model, view.forest, policy.value_head, with_entropy=True,
-                             entropy_grad=obj.mode == "rl" and obj.entropy_coef > 0)
+                             entropy_grad=obj.mode == "rl" and obj.entropy_coef != 0)
     dev = out.logprobs.device
     mask = mask.to(dev)
     step_ids, traj_ids, episode_ids = view.step_ids.to(dev), view.traj_ids.to(dev), view.episode_ids.to(dev)

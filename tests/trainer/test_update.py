@@ -20,7 +20,7 @@ from stepline.trainer.update import Objective, micro_batches, update
 torch.set_num_threads(1)
 
 
-def toy_groups(n_groups: int = 2, per_group: int = 4, seed: int = 0) -> list[Group]:
+def toy_groups(n_groups: int = 2, per_group: int = 4, seed: int = 0, outcome: float | None = None) -> list[Group]:
     g = torch.Generator().manual_seed(seed)
     groups = []
     for k in range(n_groups):
@@ -30,7 +30,8 @@ def toy_groups(n_groups: int = 2, per_group: int = 4, seed: int = 0) -> list[Gro
             out = torch.randint(10, 3000, (5,), generator=g).tolist()
             out2 = torch.randint(10, 3000, (4,), generator=g).tolist()
             calls = [FakeCall(prompt, out, [-8.0] * 5), FakeCall(prompt + out + [7, 8], out2, [-8.0] * 4)]
-            eps.append(episode_from_calls(f"g{k}s{i}", calls, outcome=float(i % 2 + k), task_id=f"t{k}"))
+            eps.append(episode_from_calls(f"g{k}s{i}", calls, outcome=float(i % 2 + k) if outcome is None else outcome,
+                                            task_id=f"t{k}"))
         groups.append(Group(f"g{k}", f"t{k}::h", eps, 0))
     return groups
 
@@ -428,3 +429,17 @@ def test_an_expert_under_sft_anchor_trains_by_cross_entropy_outside_the_groups_b
     torch.testing.assert_close(anchored, (c * sft + 3 * rl) / 4, atol=1e-6, rtol=1e-4)
     assert rl_metrics["adv_max"] == pytest.approx(2 / 3 / math.sqrt(1 / 3), abs=1e-4)
     assert m["adv_max"] == pytest.approx(rl_metrics["adv_max"], abs=1e-4) and m["expert_nll_max"] > 0
+
+
+def test_the_entropy_term_raises_or_lowers_the_entropy_by_its_sign(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # groups whose episodes all score alike: the advantages are 0, so the entropy term alone moves the policy;
+    # a bonus (> 0) spreads the sampled distribution, entropy minimisation (< 0) sharpens it towards its mode
+    groups = toy_groups(outcome=1.0)
+    entropies = {}
+    for coef in (0.5, -0.5):
+        cfg, policy = policy_for(tiny_model_dir, tmp_path, entropy_coef=coef, dynamic_sampling=False, lr=3e-3)
+        metrics = [update(policy, build_batch(groups), objective(cfg, 0, False), version=0) for _ in range(4)]
+        assert all(m["adv_min"] == m["adv_max"] == 0 for m in metrics)
+        entropies[coef] = [m["entropy_mean"] for m in metrics]
+    assert entropies[0.5][0] == pytest.approx(entropies[-0.5][0])  # the same policy before the first step
+    assert entropies[0.5][-1] > entropies[0.5][0] and entropies[-0.5][-1] < entropies[-0.5][0]
