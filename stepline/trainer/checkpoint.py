@@ -9,8 +9,9 @@ holds (`Pool.claimed_groups`):
     claimed, not in the checkpoint  -> the model that trained it is lost (or it never arrived): release it
 
 A checkpoint is a directory `ckpt-{update:06d}` (HF model in safetensors with the source model's tokenizer and
-chat template, so `model/` serves as it is; optimizer, scheduler, value head, RNG states, `state.json`) written under a temporary name and renamed; `latest` names the newest one and
-is replaced atomically, so a crash mid-write leaves the previous checkpoint intact.
+chat template, so `model/` serves as it is unless LoRA adapters are in it; optimizer, scheduler, value head, RNG
+states, `state.json`) written under a temporary name and renamed; `latest` names the newest one and is replaced
+atomically, so a crash mid-write leaves the previous checkpoint intact.
 """
 
 from __future__ import annotations
