@@ -62,7 +62,8 @@ def test_restart_releases_claims_it_never_learnt_of(tiny_model_dir: Path, tmp_pa
     template = ChatTemplate.from_model_dir(served)
     assert template.render([{"role": "user", "content": "hi"}], None, True) == \
         ChatTemplate.from_model_dir(tiny_model_dir).render([{"role": "user", "content": "hi"}], None, True)
-    assert AutoTokenizer.from_pretrained(served)("hi").input_ids == AutoTokenizer.from_pretrained(tiny_model_dir)("hi").input_ids
+    source = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert AutoTokenizer.from_pretrained(served)("hi").input_ids == source("hi").input_ids
 
 
 def test_kill_9_then_restart_trains_every_group_once(tiny_model_dir: Path, tmp_path: Path) -> None:
