@@ -64,14 +64,17 @@ def test_an_unknown_field_is_refused(tmp_path: Path) -> None:
         load_job(job)
 
 
-def test_demonstrations_per_harness_name_known_harnesses(tmp_path: Path) -> None:
+def test_settings_per_harness_name_known_harnesses(tmp_path: Path) -> None:
     job = tmp_path / "demos.toml"
     ui = '[rollout]\n[[rollout.harnesses]]\nname = "ui"\nmodule = "stepline.agents.ui"\n'
-    for sft, error in [('demos = {uii = 32}', "sft.demos: no harness named 'uii'"),
-                       ('demos = {ui = -1}', "sft.demos.ui"),
-                       ('demo_tasks_matching = {uii = "a"}', "sft.demo_tasks_matching: no harness named 'uii'"),
-                       ('demo_tasks_matching = {ui = "("}', "sft.demo_tasks_matching.ui: not a regular expression")]:
-        job.write_text(f"[sft]\n{sft}\n{ui}")
+    for table, line, error in [
+            ("sft", 'demos = {uii = 32}', "sft.demos: no harness named 'uii'"),
+            ("sft", 'demos = {ui = -1}', "sft.demos.ui"),
+            ("sft", 'demo_tasks_matching = {uii = "a"}', "sft.demo_tasks_matching: no harness named 'uii'"),
+            ("sft", 'demo_tasks_matching = {ui = "("}', "sft.demo_tasks_matching.ui: not a regular expression"),
+            ("trainer", 'negative_scale = {uii = 0.0}', "trainer.negative_scale: no harness named 'uii'"),
+            ("trainer", 'negative_scale = {ui = 1.5}', "less than or equal to 1")]:
+        job.write_text(f"[{table}]\n{line}\n{ui}")
         with pytest.raises(JobError, match=re.escape(error)):
             load_job(job)
 

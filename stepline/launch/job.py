@@ -242,6 +242,10 @@ class JobConfig(_Section):
         for field in ("demos", "demo_tasks_matching"):
             if unknown := sorted(set(getattr(self.sft, field)) - names):
                 raise ValueError(f"sft.{field}: no harness named {', '.join(map(repr, unknown))} in [[rollout.harnesses]]")
+        scale = self.trainer.get("negative_scale")
+        if isinstance(scale, dict) and (unknown := sorted(set(scale) - names)):
+            raise ValueError(f"trainer.negative_scale: no harness named {', '.join(map(repr, unknown))} in "
+                             "[[rollout.harnesses]]")
         for name, pattern in self.sft.demo_tasks_matching.items():
             try:
                 regular_expression(pattern)

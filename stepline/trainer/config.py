@@ -12,13 +12,15 @@ import inspect
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from stepline.modeldir import model_dir_problem
 
 __all__ = ["TrainerConfig"]
+
+UnitInterval = Annotated[float, Field(ge=0, le=1)]
 
 
 class TrainerConfig(BaseModel):
@@ -113,6 +115,10 @@ class TrainerConfig(BaseModel):
     failure_coef: float = Field(0.0, ge=0, description="negative reinforcement (NSR): subtracted from every step's "
                                 "advantage of an episode whose outcome stayed below imitation_min_outcome; groups "
                                 "that all failed then train too instead of being skipped (0: off)")
+    negative_scale: UnitInterval | dict[str, UnitInterval] = Field(
+        1.0, description="multiplies every negative step advantage (after the bonuses), one number or one per "
+        "harness (missing ones 1): 0 trains only the steps that did better than their baseline (positive-sample "
+        "reinforcement), 1 the estimator as it is")
     expert_sft_coef: float = Field(0.0, ge=0, description="an expert's episodes in a training group "
                                    "(`expert_per_group`): 0 trains them as group members, by the policy gradient "
                                    "with their advantage; > 0 leaves them out of the group's baseline and trains "

@@ -235,6 +235,7 @@ def objective(cfg: TrainerConfig, update_index: int, offline: bool) -> Objective
         token_norm=cfg.loss_token_norm, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
         old_logprobs=cfg.old_logprobs, tis_cap=cfg.tis_cap, tis_level=cfg.tis_level, imitation_coef=cfg.imitation_coef,
         imitation_min_outcome=cfg.imitation_min_outcome, failure_coef=cfg.failure_coef,
+        negative_scale=cfg.negative_scale,
         expert_sft_coef=cfg.expert_sft_coef, kl_coef=cfg.kl_coef,
         kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, value_coef=cfg.value_coef,
         value_clip=cfg.value_clip, critic_only=update_index < cfg.critic_warmup_updates and cfg.critic,

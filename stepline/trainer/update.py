@@ -42,6 +42,7 @@ from stepline.trainer.algorithms import (
     kl_penalty,
     mis_weights,
     sapo_kl_term,
+    scale_negative,
     value_targets,
 )
 from stepline.trainer.batch import Batch, TokenView, episode_tokens, token_view
@@ -103,6 +104,7 @@ class Objective:
     imitation_coef: float = 0.0  # self-imitation bonus on episodes with outcome >= imitation_min_outcome
     imitation_min_outcome: float = 1.0
     failure_coef: float = 0.0  # negative reinforcement on episodes with outcome < imitation_min_outcome
+    negative_scale: float | dict[str, float] = 1.0  # on negative step advantages; per harness where a dict
     expert_sft_coef: float = 0.0  # > 0: experts' episodes leave their groups and train by cross-entropy × this
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -248,12 +250,20 @@ def _advantages(batch: Batch, plan, aux, obj: Objective, gold: torch.Tensor | No
         bonus = imitation_bonus(inputs.outcome, coef=obj.imitation_coef, min_outcome=obj.imitation_min_outcome,
                                 failure_coef=obj.failure_coef)
         advantages = advantages + bonus[inputs.step_episode]
+    if obj.negative_scale != 1.0:
+        scale = torch.tensor([_negative_scale(obj, ep.info.harness) for ep in batch.episodes])
+        advantages = scale_negative(advantages, scale[inputs.step_episode])
     if values is None:
         return advantages, None, None
     gae = {k: v for k, v in obj.advantage_args.items() if k in ("gamma", "lam")}
     if obj.advantage == "capo":  # CAPO's critic regresses on the one-step TD target r + γ V(s')
         gae["lam"] = 0.0
     return advantages, value_targets(inputs, **gae), values
+
+
+def _negative_scale(obj: Objective, harness: str) -> float:
+    scale = obj.negative_scale
+    return scale if isinstance(scale, float | int) else scale.get(harness, 1.0)
 
 
 def _apart(group: torch.Tensor, alone: list[bool]) -> torch.Tensor:

@@ -14,6 +14,7 @@ from stepline.trainer.algorithms import (
     group_normalize,
     imitation_bonus,
     leave_one_out,
+    scale_negative,
 )
 from stepline.trainer.algorithms.advantages import value_targets
 
@@ -262,3 +263,10 @@ def test_imitation_bonus_rewards_only_episodes_that_reached_the_bar() -> None:
     # negative reinforcement: the episodes below the bar (0.0 and 0.5 for a bar of 1) get -0.2
     torch.testing.assert_close(imitation_bonus(outcome, coef=0.3, min_outcome=1.0, failure_coef=0.2),
                                torch.tensor([0.3, -0.2, -0.2, 0.3]))
+
+
+def test_scale_negative_shrinks_only_the_negative_advantages() -> None:
+    advantages = torch.tensor([0.8, -0.4, 0.0, -1.0])
+    torch.testing.assert_close(scale_negative(advantages, torch.tensor([0.0, 0.0, 0.0, 0.5])),
+                               torch.tensor([0.8, 0.0, 0.0, -0.5]))
+    torch.testing.assert_close(scale_negative(advantages, torch.ones(4)), advantages)

@@ -361,6 +361,18 @@ def test_negative_reinforcement_trains_groups_that_all_failed(tiny_model_dir: Pa
     assert logprob[-1] < logprob[0] - 0.2, logprob  # the failed episodes' own tokens became less likely
 
 
+def test_negative_scale_applies_to_the_harness_it_names(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (group,) = toy_groups(1)  # outcomes 0, 1, 0, 1 of harness "h": GRPO advantages ±0.87
+    extremes = {}
+    for scale in (1.0, {"h": 0.0}, {"other": 0.0}, 0.25):
+        cfg, policy = policy_for(tiny_model_dir, tmp_path, negative_scale=scale)
+        metrics = update(policy, build_batch([group]), objective(cfg, 0, False), version=0)
+        extremes[str(scale)] = (round(metrics["adv_min"], 3), round(metrics["adv_max"], 3))
+    assert extremes["1.0"] == extremes["{'other': 0.0}"] == (-0.866, 0.866)
+    assert extremes["{'h': 0.0}"] == (0.0, 0.866)  # positive-sample reinforcement on the named harness
+    assert extremes["0.25"] == (-0.217, 0.866)
+
+
 def own_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
     with torch.no_grad():
         logits = model(torch.tensor([prompt + output])).logits[0].float()

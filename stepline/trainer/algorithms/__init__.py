@@ -12,6 +12,7 @@ from stepline.trainer.algorithms.advantages import (
     imitation_bonus,
     information_gain,
     leave_one_out,
+    scale_negative,
     value_targets,
 )
 from stepline.trainer.algorithms.corrections import (
@@ -75,6 +76,7 @@ __all__ = [
     "information_gain",
     "imitation_bonus",
     "leave_one_out",
+    "scale_negative",
     "value_targets",
     "KL_ESTIMATORS",
     "clipped_value_loss",

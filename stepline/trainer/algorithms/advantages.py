@@ -77,6 +77,17 @@ def imitation_bonus(outcome: Tensor, *, coef: float, min_outcome: float, failure
     return torch.where(outcome >= min_outcome, torch.full_like(outcome, coef), torch.full_like(outcome, -failure_coef))
 
 
+def scale_negative(advantages: Tensor, scale: Tensor) -> Tensor:
+    """Per-step advantages [S] with each negative one multiplied by its step's `scale` [S] (0 to 1).
+
+    Scale 0 is positive-sample reinforcement (PSR in Zhu et al. 2025, "The Surprising Effectiveness of Negative
+    Reinforcement in LLM Reasoning"): only steps that did better than their baseline train, which sharpens the
+    sampled distribution around what works; pushing down every token of a failed long episode instead spreads
+    its mass over the alternatives, the right copies of a failed episode's earlier lines included.
+    """
+    return torch.where(advantages < 0, advantages * scale, advantages)
+
+
 def leave_one_out(outcome: Tensor, group: Tensor) -> Tensor:
     """RLOO advantage per episode (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics").
 
