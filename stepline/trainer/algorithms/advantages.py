@@ -81,9 +81,8 @@ def scale_negative(advantages: Tensor, scale: Tensor) -> Tensor:
     """Per-step advantages [S] with each negative one multiplied by its step's `scale` [S] (0 to 1).
 
     Scale 0 is positive-sample reinforcement (PSR in Zhu et al. 2025, "The Surprising Effectiveness of Negative
-    Reinforcement in LLM Reasoning"): only steps that did better than their baseline train, which sharpens the
-    sampled distribution around what works; pushing down every token of a failed long episode instead spreads
-    its mass over the alternatives, the right copies of a failed episode's earlier lines included.
+    Reinforcement in LLM Reasoning"): only steps that did better than their baseline train, so a failed long
+    episode pushes none of its tokens down, the right ones it sampled before it failed included.
     """
     return torch.where(advantages < 0, advantages * scale, advantages)
 
