@@ -237,7 +237,7 @@ class JobConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _demos_of_known_harnesses(self) -> JobConfig:
+    def _per_harness_settings_name_known_harnesses(self) -> JobConfig:
         names = {h.name for h in self.rollout.harnesses}
         for field in ("demos", "demo_tasks_matching"):
             if unknown := sorted(set(getattr(self.sft, field)) - names):
