@@ -5,12 +5,13 @@
 For the first call of every UI test episode in RUN/eval/before.json and the last RUN/eval/after-N.json, read from the
 run's pool: a named tap ("Tap Sound." then {"id": n}, after any screen lines the policy read down to it) whose id is
 the named element's on the task's first screen, one whose id is another element's, a named label that is not on the
-screen, an `ask_user` call (and on how many tasks that need no question), or anything else. Guessing among three
+screen, an `ask_user` call (and on how many tasks that need no question), a call with no screen line or sentence
+before it (the form of the search and terminal harnesses' calls), or anything else. Guessing among three
 sections matches 1 in 3.
 
-Then the toggle tasks' path ("Turn on Vibrate.": tap the section that holds the switch, then the switch): the
-section named in the first call right or wrong, and on the right section's screen the second call's named switch:
-the right one, one the policy stopped reading at before it (above), one it read past it to (below), or no named tap.
+Then the toggle tasks' path ("Turn on Vibrate.": open the section that holds the switch, then tap the switch): each
+section the policy opened (the first listed or another; holding the switch or lacking it), and what it did there: back,
+the right switch, one above or below it, a switch of a section that lacks it, or anything else.
 """
 
 from __future__ import annotations
@@ -40,28 +41,49 @@ def first_call_kind(task_id: str, text: str) -> str:
         return "ask_user (task asks)" if task.kind == "ask" else "ask_user (no question needed)"
     match = NAMED_TAP.match(text)
     if match is None:
-        return "other"
+        return "a call with nothing read before it" if text.lstrip().startswith("<tool_call>") else "other"
     shown = find_id(make_app(task).render(), match.group(1))
     if shown is None:
         return "named label not on the screen"
     return "id of the named element" if shown == int(match.group(2)) else "id of another element"
 
 
+BACK = re.compile(r"<tool_call>\s*\{\"name\": \"back\"")
+
+
 def toggle_path(task_id: str, texts: list[str]) -> str:
-    """Where a toggle task's episode went: section right or wrong, then which switch it named on that screen."""
-    section, switch = (goal[1] for goal in task_by_id()[task_id].plan)
-    taps = [match.group(1) if (match := NAMED_TAP.match(text)) else None for text in texts[:2]]
-    if taps[0] != section:
-        return "wrong section" if taps[0] else "no named section tap"
-    named = taps[1] if len(taps) > 1 else None
+    """Where a toggle task's episode went, step by step: each section it opened (the one holding the switch or a
+    section that lacks it), what it did there (the right switch, another switch, back, or anything else)."""
+    task = task_by_id()[task_id]
+    section, switch = (goal[1] for goal in task.plan)
+    path, opened = [], None
+    for text in texts:
+        match = NAMED_TAP.match(text)
+        if opened is None:  # on the list of sections
+            if match is None or match.group(1) not in SECTIONS:
+                return " > ".join([*path, "no section tap"])
+            opened = match.group(1)
+            where = "first section" if opened == task.data["sections"][0] else "another section"
+            path.append(f"{where} ({'holds it' if opened == section else 'lacks it'})")
+        elif BACK.search(text):
+            path.append("back")
+            opened = None
+        else:
+            path.append(_switch_tap(match.group(1) if match else None, switch, SECTIONS[opened]))
+            break
+    return " > ".join(path) if path else "nothing"
+
+
+def _switch_tap(named: str | None, switch: str, shown: tuple[str, ...]) -> str:
+    """What a named tap on an open section's screen hit: the switch asked for, one listed above or below it (where
+    the policy stopped reading too early or read past it), a switch of a section that lacks it, or no named tap."""
     if named is None:
-        return "right section, no named switch tap"
+        return "no tap or back"
     if named == switch:
-        return "right section, right switch"
-    order = SECTIONS[section]
-    if named not in order:
-        return "right section, a label not on the screen"
-    return f"right section, switch {'above' if order.index(named) < order.index(switch) else 'below'} it"
+        return "right switch"
+    if named in shown and switch in shown:
+        return f"switch {'above' if shown.index(named) < shown.index(switch) else 'below'} it"
+    return "another switch"
 
 
 @click.command()
