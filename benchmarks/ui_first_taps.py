@@ -53,13 +53,14 @@ BACK = re.compile(r"<tool_call>\s*\{\"name\": \"back\"")
 
 def toggle_path(task_id: str, texts: list[str]) -> str:
     """Where a toggle task's episode went, step by step: each section it opened (the one holding the switch or a
-    section that lacks it), what it did there (the right switch, another switch, back, or anything else)."""
+    section that lacks it) and what it did there (back, or a switch tap as `_switch_tap` names it)."""
     task = task_by_id()[task_id]
     section, switch = (goal[1] for goal in task.plan)
-    path, opened = [], None
+    path: list[str] = []
+    opened: str | None = None  # the section whose screen is shown; None on the list of sections
     for text in texts:
         match = NAMED_TAP.match(text)
-        if opened is None:  # on the list of sections
+        if opened is None:
             if match is None or match.group(1) not in SECTIONS:
                 return " > ".join([*path, "no section tap"])
             opened = match.group(1)
