@@ -21,6 +21,7 @@ import numpy as np
 
 from stepline.datapool import open_pool
 from stepline.datapool.base import UnknownSession
+from stepline.report import eval_paths
 
 RARE = math.log(0.1)
 UNSURE = math.log(0.5)
@@ -51,8 +52,8 @@ def summary(logprobs: list[np.ndarray], success: list[bool]) -> str:
 def main(runs: tuple[Path, ...]) -> None:
     for run in runs:
         pool = open_pool(f"sqlite:///{run / 'pool.db'}")
-        afters = sorted(run.glob("eval/after-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-        for path in [run / "eval" / "before.json", *afters[-1:]]:
+        paths = eval_paths(run)
+        for path in paths[:1] + paths[1:][-1:]:  # before RL, and after its last update
             logprobs: dict[str, list[np.ndarray]] = defaultdict(list)
             success: dict[str, list[bool]] = defaultdict(list)
             for episode in json.loads(path.read_text())["episodes"]:

@@ -29,6 +29,7 @@ from stepline.agents.ui.harness import find_id, make_app
 from stepline.agents.ui.world import task_by_id
 from stepline.datapool import open_pool
 from stepline.datapool.base import UnknownSession
+from stepline.report import eval_paths
 
 # "Tap Sound." then the call, after any screen lines read down to the element ("[2] button Sound", "(more below)")
 NAMED_TAP = re.compile(r"^(?:(?:\[\d+\] .*|\(more (?:above|below)\))\n)*"
@@ -72,7 +73,7 @@ def toggle_path(task_id: str, texts: list[str]) -> str:
         else:
             path.append(_switch_tap(match.group(1) if match else None, switch, SECTIONS[opened]))
             break
-    return " > ".join(path) if path else "nothing"
+    return " > ".join(path)
 
 
 def _switch_tap(named: str | None, switch: str, shown: tuple[str, ...]) -> str:
@@ -93,8 +94,8 @@ def main(runs: tuple[Path, ...]) -> None:
     for run in runs:
         tokenizer = Tokenizer.from_file(str(run / "model-sft" / "tokenizer.json"))
         pool = open_pool(f"sqlite:///{run / 'pool.db'}")
-        afters = sorted(run.glob("eval/after-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-        for path in [run / "eval" / "before.json", *afters[-1:]]:
+        paths = eval_paths(run)
+        for path in paths[:1] + paths[1:][-1:]:  # before RL, and after its last update
             kinds: Counter[str] = Counter()
             toggles: Counter[str] = Counter()
             for episode in json.loads(path.read_text())["episodes"]:

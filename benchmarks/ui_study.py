@@ -15,7 +15,6 @@ collects test success per run and pooled per method with 95% Wilson intervals. A
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,8 @@ import click
 from stepline.launch.job import JobConfig, load_job
 from stepline.launch.phases import RunDir, build_base_model, evaluate_once, trainer_configs, warm_start
 from stepline.launch.run import run_job, services
+from stepline.report import eval_paths
+from stepline.report import wilson as report_wilson
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("grpo", "gigpo", "tree_grpo")
@@ -50,13 +51,9 @@ def shared_policy(job: Path, out: Path) -> tuple[Path, Path]:
     return base, warm_start(cfg, run, base, sft_cfg)
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> list[float]:
-    if n == 0:
-        return [0.0, 1.0]
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return [round(centre - half, 3), round(centre + half, 3)]
+def wilson(k: int, n: int) -> list[float]:
+    """The 95% Wilson interval, rounded for the study's JSON."""
+    return [round(x, 3) for x in report_wilson(k, n)]
 
 
 def ui_counts(report: dict[str, Any]) -> tuple[int, int]:
@@ -101,7 +98,7 @@ def main(job: Path, out: Path, updates: int, seeds: str, methods: str) -> None:
                 click.echo(f"{method} seed {seed}: {updates} updates of UI RL from {sft}")
                 run_job(cfg)
             summary = json.loads((root / "summary.json").read_text())
-            after = sorted((root / "eval").glob("after-*.json"), key=lambda p: int(p.stem.split("-")[1]))[-1]
+            after = eval_paths(root)[-1]
             k, n = ui_counts(json.loads(after.read_text()))
             rows.append({"method": method, "seed": seed, "success": k, "tasks": n, "rate": round(k / n, 3),
                          "ci95": wilson(k, n), "rl_updates": summary["rl_updates"],

@@ -8,8 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["batch_rewards", "flat_groups", "format_summary", "plot_run", "reward_quarters", "rl_warnings", "summarise",
-           "wilson"]
+__all__ = ["batch_rewards", "eval_paths", "flat_groups", "format_summary", "plot_run", "reward_quarters", "rl_warnings",
+           "summarise", "wilson"]
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -32,12 +32,16 @@ def _success(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _evals(root: Path) -> list[tuple[str, dict[str, Any]]]:
-    """Eval reports in order: before, then after-k by k."""
+def eval_paths(root: Path) -> list[Path]:
+    """A run's eval reports in order: before, then after-k by k."""
     def order(path: Path) -> int:
         return -1 if path.stem == "before" else int(path.stem.split("-")[-1])
 
-    return [(p.stem, json.loads(p.read_text())) for p in sorted((root / "eval").glob("*.json"), key=order)]
+    return sorted((root / "eval").glob("*.json"), key=order)
+
+
+def _evals(root: Path) -> list[tuple[str, dict[str, Any]]]:
+    return [(p.stem, json.loads(p.read_text())) for p in eval_paths(root)]
 
 
 def _mean_success(per_harness: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
