@@ -12,6 +12,10 @@ sections matches 1 in 3.
 Then the toggle tasks' path ("Turn on Vibrate.": open the section that holds the switch, then tap the switch): each
 section the policy opened (the first listed or another; holding the switch or lacking it), and what it did there: back,
 the right switch, one above or below it, a switch of a section that lacks it, or anything else.
+
+Then every other task's first named tap (for a task that asks, the tap after the user's answer): the element the
+task's plan taps first, an element listed above it (the policy stopped reading too early), one below it (it read past
+it), or a label not on the first screen. Where to stop reading is the decision a reading task leaves the policy.
 """
 
 from __future__ import annotations
@@ -88,6 +92,23 @@ def _switch_tap(named: str | None, switch: str, shown: tuple[str, ...]) -> str:
     return "another switch"
 
 
+def target_tap(task_id: str, texts: list[str]) -> str:
+    """Whether a task's first named tap names the element its plan taps first (the user's answer, for a task that
+    asks), an element above it or one below it on the task's first screen."""
+    task = task_by_id()[task_id]
+    want = next(goal[1] for goal in task.plan if goal[0] == "tap").replace("{reply}", task.user_reply or "")
+    named = next((match.group(1) for text in texts if (match := NAMED_TAP.match(text))), None)
+    if named is None:
+        return "no named tap"
+    if named == want:
+        return "the element needed"
+    screen = make_app(task).render()
+    at, needed = find_id(screen, named), find_id(screen, want)
+    if at is None or needed is None:
+        return "a label not on the first screen"
+    return "an element above it" if at < needed else "an element below it"
+
+
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 def main(runs: tuple[Path, ...]) -> None:
@@ -98,6 +119,7 @@ def main(runs: tuple[Path, ...]) -> None:
         for path in paths[:1] + paths[1:][-1:]:  # before RL, and after its last update
             kinds: Counter[str] = Counter()
             toggles: Counter[str] = Counter()
+            targets: Counter[str] = Counter()
             for episode in json.loads(path.read_text())["episodes"]:
                 if episode["harness"] != "ui":
                     continue
@@ -109,10 +131,14 @@ def main(runs: tuple[Path, ...]) -> None:
                     continue
                 texts = [tokenizer.decode(call.output_ids.tolist()) for call in calls]
                 kinds[first_call_kind(episode["task_id"], texts[0])] += 1
-                if task_by_id()[episode["task_id"]].kind == "toggle":
+                kind = task_by_id()[episode["task_id"]].kind
+                if kind == "toggle":
                     toggles[toggle_path(episode["task_id"], texts)] += 1
+                else:
+                    targets[f"{'ask' if kind == 'ask' else 'other'}: {target_tap(episode['task_id'], texts)}"] += 1
             print(f"{run.name} {path.stem}: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
             print(f"{run.name} {path.stem} toggles: " + ", ".join(f"{k} {n}" for k, n in sorted(toggles.items())))
+            print(f"{run.name} {path.stem} named taps: " + ", ".join(f"{k} {n}" for k, n in sorted(targets.items())))
         pool.close()
 
 
