@@ -29,15 +29,16 @@ __all__ = ["collect_demos"]
 
 def collect_demos(pool: Pool, model_dir: Path, specs: list[HarnessSpec], per_harness: int,
                   concurrency: int = 2, seed: int = 0, counts: Mapping[str, int] | None = None,
-                  matching: Mapping[str, str] | None = None) -> dict[str, int]:
+                  matching: Mapping[str, str] | None = None,
+                  kinds: Mapping[str, Mapping[str, int]] | None = None) -> dict[str, int]:
     """Run `per_harness` expert episodes of each module harness (`counts[name]` where given; a seeded sample
-    of its train split, of the ids matching `matching[name]` where given) into `pool` as ended, rewarded
-    sessions (one group each). Returns demonstrations written per harness."""
+    of its train split, of the ids matching `matching[name]` where given, weighted by kind as `kinds[name]`
+    says) into `pool` as ended, rewarded sessions (one group each). Returns demonstrations written per harness."""
     template = ChatTemplate.from_model_dir(model_dir)
     written = {spec.name: 0 for spec in specs}
     with tempfile.TemporaryDirectory(prefix="stepline-demos-") as tmp:
         results = asyncio.run(expert_episodes([s for s in specs if s.module], per_harness, concurrency, Path(tmp), seed,
-                                              counts, matching))
+                                              counts, matching, kinds))
     # round-robin over harnesses, so every SFT minibatch mixes them (the pool hands groups out in order)
     by_harness = [[r for r in results if r[0].name == spec.name] for spec in specs]
     interleaved = [row for rows in zip_longest(*by_harness) for row in rows if row is not None]

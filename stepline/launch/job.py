@@ -105,6 +105,10 @@ class SFTSection(_Section):
     demo_tasks_matching: dict[str, str] = Field(
         default_factory=dict, description="per harness, a regular expression: its demonstrations come only from the "
                                           "train tasks whose id it matches, e.g. {bfcl = '^(?!multi_turn)'}")
+    demo_kinds: dict[str, dict[str, Annotated[int, Field(ge=1)]]] = Field(
+        default_factory=dict, description="per harness, {kind = n}: its demonstrations draw a task of a kind n times "
+                                          "as likely as one of weight 1 (a module's `tasks --kinds`; kinds left out: "
+                                          "weight 1), e.g. {ui = {toggle = 4}}")
     trainer: TrainerTable = Field(default_factory=dict, description="TrainerConfig fields for the SFT pass")
 
 
@@ -239,7 +243,7 @@ class JobConfig(_Section):
     @model_validator(mode="after")
     def _per_harness_settings_name_known_harnesses(self) -> JobConfig:
         names = {h.name for h in self.rollout.harnesses}
-        for field in ("demos", "demo_tasks_matching"):
+        for field in ("demos", "demo_tasks_matching", "demo_kinds"):
             if unknown := sorted(set(getattr(self.sft, field)) - names):
                 raise ValueError(f"sft.{field}: no harness named {', '.join(map(repr, unknown))} in [[rollout.harnesses]]")
         scale = self.trainer.get("negative_scale")

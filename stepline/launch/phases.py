@@ -139,7 +139,8 @@ def warm_start(cfg: JobConfig, run: RunDir, base: Path, sft: TrainerConfig) -> P
     try:
         if not pool.stats()["sessions"]:
             written = collect_demos(pool, base, cfg.rollout.harnesses, cfg.sft.demos_per_harness, seed=cfg.seed,
-                                    counts=cfg.sft.demos, matching=cfg.sft.demo_tasks_matching)
+                                    counts=cfg.sft.demos, matching=cfg.sft.demo_tasks_matching,
+                                    kinds=cfg.sft.demo_kinds)
             click.echo(f"expert demonstrations: {written}")
         state = train(sft, pool, NoWeightSync(), offline=True)
     finally:

@@ -30,7 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["HarnessError", "HarnessSpec", "RolloutConfig", "TreeSearch", "list_tasks", "regular_expression",
-           "task_references", "tasks_matching", "training_tasks"]
+           "task_kinds", "task_references", "tasks_matching", "training_tasks"]
 
 
 class HarnessError(RuntimeError):
@@ -219,7 +219,7 @@ def training_tasks(spec: HarnessSpec) -> list[str]:
     ids = tasks_matching(spec, list_tasks(spec), spec.train_tasks_matching, "train_tasks_matching")
     if spec.train_kinds is None:
         return ids
-    kinds = _module_table(spec, "--kinds", "task kinds")
+    kinds = task_kinds(spec)
     unknown = sorted(set(spec.train_kinds) - set(kinds.values()))
     if unknown:
         raise HarnessError(f"harness {spec.name!r}: train_kinds {unknown} are not kinds of its tasks "
@@ -229,6 +229,11 @@ def training_tasks(spec: HarnessSpec) -> list[str]:
     if not kept:
         raise HarnessError(f"harness {spec.name!r}: train_kinds {spec.train_kinds} match none of its {len(ids)} tasks")
     return kept
+
+
+def task_kinds(spec: HarnessSpec) -> dict[str, str]:
+    """Task id -> kind, from `python -m <module>.tasks --kinds`."""
+    return _module_table(spec, "--kinds", "task kinds")
 
 
 def list_tasks(spec: HarnessSpec, split: str | None = None) -> list[str]:
