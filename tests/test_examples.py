@@ -72,6 +72,8 @@ def test_settings_per_harness_name_known_harnesses(tmp_path: Path) -> None:
             ("sft", 'demos = {ui = -1}', "sft.demos.ui"),
             ("sft", 'demo_tasks_matching = {uii = "a"}', "sft.demo_tasks_matching: no harness named 'uii'"),
             ("sft", 'demo_tasks_matching = {ui = "("}', "sft.demo_tasks_matching.ui: not a regular expression"),
+            ("sft", 'demo_kinds = {uii = {toggle = 2}}', "sft.demo_kinds: no harness named 'uii'"),
+            ("sft", 'demo_kinds = {ui = {toggle = 0}}', "sft.demo_kinds.ui.toggle"),
             ("trainer", 'negative_scale = {uii = 0.0}', "trainer.negative_scale: no harness named 'uii'"),
             ("trainer", 'negative_scale = {ui = 1.5}', "less than or equal to 1")]:
         job.write_text(f"[{table}]\n{line}\n{ui}")

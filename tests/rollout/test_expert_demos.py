@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 
-from stepline.rollout.config import HarnessError, HarnessSpec
-from stepline.rollout.demos import expert_episodes
+from stepline.rollout.config import HarnessError, HarnessSpec, list_tasks, task_kinds
+from stepline.rollout.demos import expert_episodes, weighted_sample
 
 
 async def test_demonstrations_per_harness_can_differ(tmp_path: Path) -> None:
@@ -31,3 +32,24 @@ async def test_demonstrations_come_only_from_the_tasks_a_pattern_matches(tmp_pat
     assert len([task for spec, task, _ in demos if spec.name == "ui"]) == 4
     with pytest.raises(HarnessError, match="sft.demo_tasks_matching '\\^nothing' matches none"):
         await expert_episodes(specs, per_harness=1, concurrency=2, work=tmp_path, seed=0, matching={"ui": "^nothing"})
+
+
+def test_a_kinds_weight_draws_its_tasks_that_many_times_as_often() -> None:
+    # 4 tasks of kind a weighted 3 against 4 of kind b: a draw of 1 takes an a-task with probability 12/16
+    ids, weights = [f"a{i}" for i in range(4)] + [f"b{i}" for i in range(4)], [3] * 4 + [1] * 4
+    firsts = [weighted_sample(random.Random(seed), ids, weights, 1)[0] for seed in range(4000)]
+    assert sum(task.startswith("a") for task in firsts) / len(firsts) == pytest.approx(0.75, abs=0.03)
+    assert sorted(weighted_sample(random.Random(0), ids, weights, 20)) == sorted(ids)  # distinct, all when fewer
+
+
+async def test_demonstrations_weighted_by_kind_and_an_unknown_kind_named(tmp_path: Path) -> None:
+    spec = HarnessSpec(name="ui", module="stepline.agents.ui")
+    kinds = task_kinds(spec)
+    train = list_tasks(spec, "train")
+    share = sum(kinds[task] == "toggle" for task in train) / len(train)  # a quarter: settings' tasks are toggles
+    demos = await expert_episodes([spec], per_harness=12, concurrency=2, work=tmp_path, seed=0,
+                                  kinds={"ui": {"toggle": 30}})
+    toggles = sum(kinds[task] == "toggle" for _, task, _ in demos)
+    assert share < 0.3 and toggles >= 9  # weight 30: ~10 of 12 (seeded), against 3 unweighted
+    with pytest.raises(HarnessError, match=r"sft.demo_kinds \['toggel'\] are not kinds of its tasks"):
+        await expert_episodes([spec], per_harness=1, concurrency=2, work=tmp_path, seed=0, kinds={"ui": {"toggel": 2}})
