@@ -98,20 +98,29 @@ async def run_process(argv: list[str], env: Mapping[str, str], cwd: Path, timeou
     return _Outcome(code, _tail(Path(f"{logs}.stdout")), _tail(Path(f"{logs}.stderr")))
 
 
-def parse_verdict(stdout: str) -> tuple[float, bool, str]:
-    """(reward, success, reason) from a verifier's last stdout line: {"reward": x, "success"?, "reason"?}."""
+def parse_verdict(stdout: str, train: bool = False) -> tuple[float, bool, str]:
+    """(reward, success, reason) from a verifier's last stdout line: {"reward": x, "success"?, "reason"?,
+    "train_reward"?}."""
     lines = [line for line in stdout.splitlines() if line.strip()]
     if not lines:
         raise ValueError("verifier printed nothing")
-    return verdict_of(json.loads(lines[-1]))
+    return verdict_of(json.loads(lines[-1]), train)
 
 
-def verdict_of(data: Any) -> tuple[float, bool, str]:
-    """(reward, success, reason) from a verdict object {"reward": x, "success"?, "reason"?}."""
+def verdict_of(data: Any, train: bool = False) -> tuple[float, bool, str]:
+    """(reward, success, reason) from a verdict object {"reward": x, "success"?, "reason"?, "train_reward"?}. With
+    `train`, a verdict's train_reward (what training optimises, e.g. the score kept only where the agent's reasoning
+    agrees with its actions) replaces its reward; success stays the score's."""
     reward = data["reward"] if isinstance(data, dict) else None
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise ValueError(f"no finite numeric reward in {str(data)[:120]!r}")
-    return float(reward), bool(data.get("success", reward >= 1.0)), str(data.get("reason", ""))
+    success = bool(data.get("success", reward >= 1.0))
+    trained = data.get("train_reward") if train else None
+    if trained is not None:
+        if isinstance(trained, bool) or not isinstance(trained, int | float) or not math.isfinite(trained):
+            raise ValueError(f"train_reward is not a finite number in {str(data)[:120]!r}")
+        reward = trained
+    return float(reward), success, str(data.get("reason", ""))
 
 
 class RolloutDriver:
@@ -220,7 +229,8 @@ class RolloutDriver:
         worker = self._worker(spec)
         if worker is not None:
             try:
-                return _from_worker(await worker.episode(self._request(spec, task_id, env, out), self._deadline()))
+                return _from_worker(await worker.episode(self._request(spec, task_id, env, out), self._deadline()),
+                                    train=self.purpose == "train")
             except WorkerMissing as exc:
                 log.warning("harness %s: %s; one process per episode instead", spec.name, exc)
                 self._no_worker.add(worker.module)
@@ -261,7 +271,7 @@ class RolloutDriver:
         try:
             if checked.returncode is None:
                 raise ValueError(f"verifier timed out after {self.config.verify_timeout_s:g}s")
-            reward, success, reason = parse_verdict(checked.stdout)
+            reward, success, reason = parse_verdict(checked.stdout, train=self.purpose == "train")
         except (ValueError, KeyError) as exc:
             log.warning("verifier of %s %s scored 0: %s (stderr: %s)", spec.name, task_id, exc, checked.stderr[-200:])
             return "completed", 0.0, False, f"verifier error: {exc}"
@@ -400,7 +410,7 @@ class _TaskDraw:
         return spec, queue.pop()
 
 
-def _from_worker(answer: dict[str, Any]) -> _Played:
+def _from_worker(answer: dict[str, Any], train: bool = False) -> _Played:
     """A worker's answer (stepline/agents/common/serve.py): {"outcome": "ran"|"failed", "reason", "verdict"}."""
     if answer.get("outcome") == "failed":
         return _Played(failure=str(answer.get("reason") or "harness failed"))
@@ -409,7 +419,7 @@ def _from_worker(answer: dict[str, Any]) -> _Played:
     if answer.get("verdict") is None:
         return _Played()  # the driver runs the external verify_command
     try:
-        return _Played(verdict=verdict_of(answer["verdict"]))
+        return _Played(verdict=verdict_of(answer["verdict"], train))
     except ValueError as exc:
         return _Played(verdict=(0.0, False, f"verifier error: {exc}"))
 

@@ -25,7 +25,7 @@ from stepline.agents.ui.harness import (
     replay_with_progress,
 )
 from stepline.agents.ui.tasks import split_ids
-from stepline.agents.ui.verify import score
+from stepline.agents.ui.verify import misread, score
 from stepline.agents.ui.world import APP_ORDER, task_by_id, tasks
 
 ALARMS = {"alarms": [{"time": t, "on": False} for t in ("06:00", "07:00", "08:00", "09:00")]}
@@ -203,3 +203,19 @@ def test_expert_cli_and_a_down_endpoint(tmp_path: Path) -> None:
     assert score("ui-0009", read_episode(tmp_path / "x")).success
     down = cli("stepline.agents.ui.run", "--task", "ui-0009", "--out", str(tmp_path / "d"), env=endpoint("http://127.0.0.1:9/v1"))
     assert down.returncode == 1 and "APIConnectionError" in read_episode(tmp_path / "d").error
+
+
+def test_a_success_whose_reading_disagrees_with_its_action_trains_as_zero() -> None:
+    # an id that reaches the goal after naming another element is a guess: scored a success, trained as 0
+    task_id = next(t.id for t in tasks() if t.kind == "buy" and t.split == "test")
+    episode = play(task_id, MAX_TURNS, expert=True)
+    assert score(task_id, episode).train_reward is None  # the expert's reading agrees with every action
+    first = next(m for m in episode.messages if m["role"] == "assistant")
+    *read, said = first["content"].split("\n")
+    first["content"] = "\n".join([*read, "Tap Somebody else."])
+    verdict = score(task_id, episode)
+    assert verdict.success and verdict.reward == 1.0 and verdict.train_reward == 0.0
+    assert "after 'Tap Somebody else.'" in str(misread(task_by_id()[task_id], episode))
+    first["content"] = "\n".join(["[1] button Not on the screen", said])
+    assert "reads '[1] button Not on the screen'" in str(misread(task_by_id()[task_id], episode))
+    assert score(task_id, episode).train_reward == 0.0

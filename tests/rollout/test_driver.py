@@ -209,6 +209,12 @@ def test_config_validation_and_job_file(tmp_path: Path) -> None:
 def test_parse_verdict() -> None:
     assert parse_verdict('noise\n{"reward": 1, "success": true, "reason": "ok"}\n') == (1.0, True, "ok")
     assert parse_verdict('{"reward": 0.5}') == (0.5, False, "")
+    # a training episode is rewarded what the verifier says training should optimise; success stays the score's
+    guess = '{"reward": 1.0, "success": true, "reason": "r", "train_reward": 0.0}'
+    assert parse_verdict(guess, train=True) == (0.0, True, "r")
+    assert parse_verdict(guess) == (1.0, True, "r")
+    with pytest.raises(ValueError, match="train_reward is not a finite number"):
+        parse_verdict('{"reward": 1.0, "train_reward": "no"}', train=True)
     for bad in ["", "not json", '{"reward": "1"}', '{"reward": NaN}', "[1]", '{"reward": true}']:
         with pytest.raises((ValueError, KeyError)):
             parse_verdict(bad)

@@ -31,6 +31,8 @@ class Verdict(BaseModel):
     reward: float = Field(ge=0.0, le=1.0)
     success: bool
     reason: str
+    train_reward: float | None = Field(None, ge=0.0, le=1.0)  # what training optimises where it differs from the
+                                                               # score (a harness's check of how the agent got there)
 
 
 def failed(reason: str) -> Verdict:
@@ -107,7 +109,7 @@ def verify_command(harness: str, score: Callable[[str, Episode], Verdict], known
     @click.option("--task", "task_id", required=True)
     @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
     def verify(task_id: str, out_dir: Path) -> None:
-        click.echo(verdict_for(harness, score, known, task_id, out_dir).model_dump_json())
+        click.echo(verdict_for(harness, score, known, task_id, out_dir).model_dump_json(exclude_none=True))
 
     return verify
 

@@ -58,20 +58,27 @@ def replay_with_progress(task: Task, calls: Iterable[ToolCall]) -> tuple[App, in
     the action was taken on; "{reply}" is the simulated user's answer); scrolls, backs and other actions
     neither reach nor undo one."""
     app = make_app(task)
-    tools = {tool.name: tool for tool in make_tools(app, task)}
     goals = [tuple(part.replace("{reply}", task.user_reply or "") for part in goal) for goal in task.plan]
     reached = 0
+    for call, valid in stepped(app, task, calls):
+        if valid and reached < len(goals) and _reaches(app, call, goals[reached]):
+            reached += 1
+    return app, reached
+
+
+def stepped(app: App, task: Task, calls: Iterable[ToolCall]) -> Iterator[tuple[ToolCall, bool]]:
+    """Each recorded action with whether the tools take its arguments, `app` as it stood when the action was
+    taken (the actions before it applied); the action is applied when the caller asks for the next one."""
+    tools = {tool.name: tool for tool in make_tools(app, task)}
     for call in calls:
         tool = tools.get(call.name)
-        if tool is None or tool.fn is None or set(call.arguments) != set(tool.parameters):
-            continue
-        if reached < len(goals) and _reaches(app, call, goals[reached]):
-            reached += 1
-        try:
-            tool.fn(**call.arguments)
-        except ToolError:
-            pass
-    return app, reached
+        valid = tool is not None and tool.fn is not None and set(call.arguments) == set(tool.parameters)
+        yield call, valid
+        if tool is not None and tool.fn is not None and valid:
+            try:
+                tool.fn(**call.arguments)
+            except ToolError:
+                pass
 
 
 def _reaches(app: App, call: ToolCall, goal: tuple[str, ...]) -> bool:

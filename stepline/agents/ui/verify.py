@@ -5,13 +5,23 @@ harness's own record of the state must agree with it), then compared with the ta
 Success (the goal state reached) scores 1; short of it, an episode earns partial credit for the plan
 steps it did reach in order (PARTIAL per the whole plan: tapping the right section of two steps scores
 0.25), so a group in which nobody finishes still tells the better attempts from the worse.
+
+Training takes the score only from an episode whose reading agrees with its actions (`train_reward`): every tap
+or type follows lines of the screen it was taken on and a sentence naming the element it acts on ("[2] button
+Sound", "Tap Sound."), as the expert's do. An id that lands on the goal after a reading of other lines, or of
+another element, is a guess: reinforced, it teaches guessing ids and unlearns the reading that finds them.
 """
 
+import re
+
 from stepline.agents.common import Episode, Verdict, failed, verify_command
-from stepline.agents.ui.harness import NAME, known, replay_with_progress
-from stepline.agents.ui.world import task_by_id
+from stepline.agents.ui.harness import NAME, find_label, known, make_app, replay_with_progress, stepped
+from stepline.agents.ui.world import Task, task_by_id
 
 PARTIAL = 0.5  # the reward of reaching every plan step but not the goal state (a later step undid it)
+
+
+AIM = re.compile(r"^.+ is in (.+)\.$")  # a toggle's first action: "Vibrate is in Sound."
 
 
 def score(task_id: str, episode: Episode) -> Verdict:
@@ -22,9 +32,40 @@ def score(task_id: str, episode: Episode) -> Verdict:
         return failed("the recorded app state differs from the replayed actions")
     if data != task.target:
         changed = "unchanged" if data == task.data else "changed, but not as asked"
-        reason = f"{task.app} state {changed} ({reached} of {len(task.plan)} plan steps)"
-        return Verdict(reward=PARTIAL * reached / len(task.plan), success=False, reason=reason)
-    return Verdict(reward=1.0, success=True, reason=f"{task.app} state matches the goal")
+        verdict = Verdict(reward=PARTIAL * reached / len(task.plan), success=False,
+                          reason=f"{task.app} state {changed} ({reached} of {len(task.plan)} plan steps)")
+    else:
+        verdict = Verdict(reward=1.0, success=True, reason=f"{task.app} state matches the goal")
+    if verdict.reward > 0 and misread(task, episode):
+        return verdict.model_copy(update={"train_reward": 0.0})
+    return verdict
+
+
+def misread(task: Task, episode: Episode) -> str | None:
+    """Where a tap or type's reading disagrees with the screen it was taken on or with the element it acts on
+    (None where every one agrees)."""
+    texts = [message.get("content") or "" for message in episode.messages if message.get("role") == "assistant"]
+    app = make_app(task)
+    for call, _valid in stepped(app, task, episode.calls):
+        if call.name not in ("tap", "type"):
+            continue
+        screen = app.render()
+        lines = [line.strip() for line in (texts[call.turn] if call.turn < len(texts) else "").splitlines()]
+        lines = [line for line in lines if line]
+        node_id = call.arguments.get("id")
+        label = find_label(screen, node_id) if isinstance(node_id, int) else None
+        if label is None:
+            return f"turn {call.turn} acts on id {node_id!r}, which the screen does not show"
+        said = f"Tap {label}." if call.name == "tap" else f"Type {call.arguments.get('text')} into {label}."
+        if not lines or lines[-1] != said:
+            return f"turn {call.turn} acts on [{node_id}] {label} after {(lines or [''])[-1]!r}"
+        shown = {line.strip() for line in screen.splitlines()}
+        for line in lines[:-1]:
+            if line.startswith("[") and line not in shown:
+                return f"turn {call.turn} reads {line!r}, which the screen does not show"
+            if (aim := AIM.match(line)) and aim.group(1) != label:
+                return f"turn {call.turn} says {line!r}, then opens {label}"
+    return None
 
 
 main = verify_command(NAME, score, known)
