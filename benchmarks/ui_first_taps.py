@@ -35,9 +35,8 @@ from stepline.datapool import open_pool
 from stepline.datapool.base import UnknownSession
 from stepline.report import eval_paths
 
-# "Tap Sound." then the call, after any screen lines read down to the element ("[2] button Sound", "(more below)"),
-# and on a toggle's first action after the section said to hold the switch ("Vibrate is in Sound.")
-NAMED_TAP = re.compile(r"^(?:.+ is in .+\.\n)?(?:(?:\[\d+\] .*|\(more (?:above|below)\))\n)*"
+# "Tap Sound." then the call, after any screen lines read down to the element ("[2] button Sound", "(more below)")
+NAMED_TAP = re.compile(r"^(?:(?:\[\d+\] .*|\(more (?:above|below)\))\n)*"
                        r"Tap (.+?)\.?\n<tool_call>\s*\{\"name\": \"tap\", \"arguments\": \{\"id\": (\d+)\}")
 
 

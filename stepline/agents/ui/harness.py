@@ -122,13 +122,10 @@ class ExpertPolicy:
     """Follows the task's plan by reading the rendered screens; scrolls down to reach hidden items. Each action
     comes after the screen's lines copied from the top down to its element, then a sentence that names the element
     ("[1] button Display\n[2] button Sound\nTap Sound."): the id a model must write is then the last one it copied,
-    where the screen shows each id before its label (copied forwards, not looked up backwards from the label).
-    A toggle's first action opens with the section that holds the switch ("Vibrate is in Sound."): the one fact
-    the screen does not show, written where the policy can then read the section's line down to it."""
+    where the screen shows each id before its label (copied forwards, not looked up backwards from the label)."""
 
     def __init__(self, task: Task, first_screen: str):
         self.goals = list(task.plan)
-        self.aim = f"{task.plan[1][1]} is in {task.plan[0][1]}.\n" if task.kind == "toggle" else ""
         self.screen, self.reply = first_screen, ""  # the last screen seen; the user's last answer
         self.turn, self.asked = 0, False
 
@@ -154,8 +151,7 @@ class ExpertPolicy:
                 return final_turn("I could not do it.")
             return said(f"{label} is not shown: scroll down.", tool_turn("scroll", turn, direction="down"))
         self.goals.pop(0)
-        read = self.aim + "\n".join(read_down_to(self.screen, node_id))
-        self.aim = ""
+        read = "\n".join(read_down_to(self.screen, node_id))
         if action == "tap":
             return said(f"{read}\nTap {label}.", tool_turn("tap", turn, id=node_id))
         text = args[1].replace("{reply}", self.reply)
