@@ -79,9 +79,10 @@ async def expert_episodes(specs: list[HarnessSpec], per_harness: int, concurrenc
         tasks = await asyncio.to_thread(list_tasks, spec, "train")
         tasks = tasks_matching(spec, tasks, (matching or {}).get(spec.name), "sft.demo_tasks_matching")
         wanted = (counts or {}).get(spec.name, per_harness)
-        weights = (kinds or {}).get(spec.name)
-        sample = weighted_sample(rng, tasks, kind_weights(spec, tasks, weights), wanted) if weights else \
-            rng.sample(tasks, min(wanted, len(tasks)))
+        if weights := (kinds or {}).get(spec.name):
+            sample = weighted_sample(rng, tasks, await asyncio.to_thread(kind_weights, spec, tasks, weights), wanted)
+        else:
+            sample = rng.sample(tasks, min(wanted, len(tasks)))
         chosen += [(spec, task) for task in sample]
     jobs = [one(spec, task) for spec, task in chosen]
     return list(await asyncio.gather(*jobs))
