@@ -35,10 +35,11 @@ def gateway(model_dir: Path, engine_url: str, tmp_path: Path, kind: str):
 
 
 def hermes_text(message: dict[str, Any]) -> str:
-    """What the model writes for one assistant message: text, or Hermes <tool_call> blocks."""
+    """What the model writes for one assistant message: its text, then any Hermes <tool_call> blocks."""
     calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
              for c in message.get("tool_calls", [])]
-    return "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls) or message["content"]
+    blocks = [f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls]
+    return "\n".join([message["content"], *blocks] if message.get("content") else blocks)
 
 
 @pytest.mark.parametrize("harness", sorted(EXPERTS))

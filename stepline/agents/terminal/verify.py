@@ -28,7 +28,7 @@ def score(out_dir: Path, task_id: str, episode: Episode) -> Verdict:
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 def main(task_id: str, out_dir: Path) -> None:
     verdict = verdict_for("terminal", functools.partial(score, out_dir), is_task, task_id, out_dir)
-    click.echo(verdict.model_dump_json())
+    click.echo(verdict.model_dump_json(exclude_none=True))
 
 
 if __name__ == "__main__":
