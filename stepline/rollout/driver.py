@@ -45,7 +45,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from stepline.datapool.records import EXPERT_KEY, REFERENCE_KEY, Purpose
 from stepline.rollout import trees
@@ -112,15 +112,20 @@ def verdict_of(data: Any, train: bool = False) -> tuple[float, bool, str]:
     `train`, a verdict's train_reward (what training optimises, e.g. the score kept only where the agent's reasoning
     agrees with its actions) replaces its reward; success stays the score's."""
     reward = data["reward"] if isinstance(data, dict) else None
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+    if not _finite(reward):
         raise ValueError(f"no finite numeric reward in {str(data)[:120]!r}")
     success = bool(data.get("success", reward >= 1.0))
     trained = data.get("train_reward") if train else None
     if trained is not None:
-        if isinstance(trained, bool) or not isinstance(trained, int | float) or not math.isfinite(trained):
+        if not _finite(trained):
             raise ValueError(f"train_reward is not a finite number in {str(data)[:120]!r}")
         reward = trained
     return float(reward), success, str(data.get("reason", ""))
+
+
+def _finite(value: object) -> TypeGuard[float]:
+    """A finite int or float (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
 
 
 class RolloutDriver:

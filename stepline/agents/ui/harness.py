@@ -72,11 +72,11 @@ def stepped(app: App, task: Task, calls: Iterable[ToolCall]) -> Iterator[tuple[T
     tools = {tool.name: tool for tool in make_tools(app, task)}
     for call in calls:
         tool = tools.get(call.name)
-        valid = tool is not None and tool.fn is not None and set(call.arguments) == set(tool.parameters)
-        yield call, valid
-        if tool is not None and tool.fn is not None and valid:
+        fn = tool.fn if tool is not None and set(call.arguments) == set(tool.parameters) else None
+        yield call, fn is not None
+        if fn is not None:
             try:
-                tool.fn(**call.arguments)
+                fn(**call.arguments)
             except ToolError:
                 pass
 
