@@ -83,8 +83,10 @@ class GatewayClient:
             raise GatewayError(f"GET {path} answered without a call count: {str(data)[:200]}")
         return data["calls"]
 
-    async def post_reward(self, session_id: str, value: float) -> None:
-        await self._post(f"/sessions/{session_id}/reward", {"value": value, "step": None, "name": "outcome", "weight": 1.0})
+    async def post_reward(self, session_id: str, value: float, step: int | None = None) -> None:
+        """The session's outcome, or with `step` the reward of its call of that index (a dense step reward)."""
+        body = {"value": value, "step": step, "name": "outcome" if step is None else "step", "weight": 1.0}
+        await self._post(f"/sessions/{session_id}/reward", body)
 
     async def post_demonstration(self, session_id: str, conversation: dict[str, Any]) -> None:
         """Record an expert's conversation (`messages`, `tools`) as the calls of an expert session."""

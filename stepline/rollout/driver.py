@@ -45,7 +45,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeGuard
+from typing import Any, Literal, NamedTuple, TypeGuard
 
 from stepline.datapool.records import EXPERT_KEY, REFERENCE_KEY, Purpose
 from stepline.rollout import trees
@@ -60,7 +60,7 @@ __all__ = ["EpisodeResult", "HarnessStats", "RolloutDriver", "format_stats", "ru
 log = logging.getLogger("stepline.rollout")
 TAIL = 400  # bytes of a process's output quoted in a failure reason
 SESSION_KEYS = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY")
-Scored = tuple[Literal["completed", "failed"], float | None, bool, str]  # status, reward, success, reason
+Scored = tuple[Literal["completed", "failed"], "Score"]  # how the episode ended, and its score
 
 
 @dataclass
@@ -75,7 +75,7 @@ class _Played:
     """How playing went: `failure` says why the episode failed; `verdict` is the worker's verifier's."""
 
     failure: str | None = None
-    verdict: tuple[float, bool, str] | None = None
+    verdict: Score | None = None
 
 
 async def run_process(argv: list[str], env: Mapping[str, str], cwd: Path, timeout: float, logs: Path) -> _Outcome:
@@ -98,19 +98,29 @@ async def run_process(argv: list[str], env: Mapping[str, str], cwd: Path, timeou
     return _Outcome(code, _tail(Path(f"{logs}.stdout")), _tail(Path(f"{logs}.stderr")))
 
 
-def parse_verdict(stdout: str, train: bool = False) -> tuple[float, bool, str]:
-    """(reward, success, reason) from a verifier's last stdout line: {"reward": x, "success"?, "reason"?,
-    "train_reward"?}."""
+class Score(NamedTuple):
+    """A verifier's verdict as the driver uses it: what training optimises (or evaluation reports), and where."""
+
+    reward: float | None  # None: no reward is posted (a failed episode, where failures are not scored)
+    success: bool
+    reason: str
+    step_rewards: dict[int, float] | None = None  # {call index: reward}, training only
+
+
+def parse_verdict(stdout: str, train: bool = False) -> Score:
+    """The Score of a verifier's last stdout line: {"reward": x, "success"?, "reason"?, "train_reward"?,
+    "step_rewards"?}."""
     lines = [line for line in stdout.splitlines() if line.strip()]
     if not lines:
         raise ValueError("verifier printed nothing")
     return verdict_of(json.loads(lines[-1]), train)
 
 
-def verdict_of(data: Any, train: bool = False) -> tuple[float, bool, str]:
-    """(reward, success, reason) from a verdict object {"reward": x, "success"?, "reason"?, "train_reward"?}. With
+def verdict_of(data: Any, train: bool = False) -> Score:
+    """The Score of a verdict object {"reward": x, "success"?, "reason"?, "train_reward"?, "step_rewards"?}. With
     `train`, a verdict's train_reward (what training optimises, e.g. the score kept only where the agent's reasoning
-    agrees with its actions) replaces its reward; success stays the score's."""
+    agrees with its actions) replaces its reward, and its step_rewards ({call index: reward}, keys as JSON strings
+    or ints) come along; success stays the score's."""
     reward = data["reward"] if isinstance(data, dict) else None
     if not _finite(reward):
         raise ValueError(f"no finite numeric reward in {str(data)[:120]!r}")
@@ -120,7 +130,20 @@ def verdict_of(data: Any, train: bool = False) -> tuple[float, bool, str]:
         if not _finite(trained):
             raise ValueError(f"train_reward is not a finite number in {str(data)[:120]!r}")
         reward = trained
-    return float(reward), success, str(data.get("reason", ""))
+    steps = data.get("step_rewards") if train else None
+    return Score(float(reward), success, str(data.get("reason", "")), None if steps is None else _step_rewards(steps))
+
+
+def _step_rewards(steps: object) -> dict[int, float]:
+    if not isinstance(steps, dict):
+        raise ValueError(f"step_rewards is not an object of call index -> reward: {str(steps)[:120]!r}")
+    out: dict[int, float] = {}
+    for key, value in steps.items():
+        index = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else -1
+        if index < 0 or not _finite(value):
+            raise ValueError(f"step_rewards needs call indices >= 0 and finite rewards, not {key!r}: {value!r}")
+        out[index] = float(value)
+    return out
 
 
 def _finite(value: object) -> TypeGuard[float]:
@@ -209,8 +232,8 @@ class RolloutDriver:
         out = self.work_dir / handle.session_id
         out.mkdir(parents=True)
         try:
-            status, reward, success, reason = await self._play_and_score(spec, task_id, handle, out, expert)
-            reason = await self._report(handle, status, reward, reason, end)
+            status, (reward, success, reason, steps) = await self._play_and_score(spec, task_id, handle, out, expert)
+            reason = await self._report(handle, status, reward, reason, end, steps)
         finally:
             if not self.config.keep_episodes:
                 shutil.rmtree(out, ignore_errors=True)
@@ -224,9 +247,9 @@ class RolloutDriver:
         played = await (self._play_expert(spec, task_id, handle, env, out) if expert else self._play(spec, task_id, env, out))
         if played.failure is not None:
             failed_reward = self.config.failed_reward if self.config.score_failed else None
-            return "failed", failed_reward, False, played.failure
+            return "failed", Score(failed_reward, False, played.failure)
         if played.verdict is not None:
-            return "completed", *played.verdict
+            return "completed", played.verdict
         return await self._verify_in_process(spec, task_id, env, out)
 
     async def _play(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> _Played:
@@ -271,16 +294,16 @@ class RolloutDriver:
     async def _verify_in_process(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> Scored:
         argv = self._verify_argv(spec, task_id, out)
         if argv is None:
-            return "completed", None, False, "reward posted by the harness"
+            return "completed", Score(None, False, "reward posted by the harness")
         checked = await run_process(argv, {**os.environ, **env}, Path.cwd(), self.config.verify_timeout_s, out / "verify")
         try:
             if checked.returncode is None:
                 raise ValueError(f"verifier timed out after {self.config.verify_timeout_s:g}s")
-            reward, success, reason = parse_verdict(checked.stdout, train=self.purpose == "train")
+            score = parse_verdict(checked.stdout, train=self.purpose == "train")
         except (ValueError, KeyError) as exc:
             log.warning("verifier of %s %s scored 0: %s (stderr: %s)", spec.name, task_id, exc, checked.stderr[-200:])
-            return "completed", 0.0, False, f"verifier error: {exc}"
-        return "completed", reward, success, reason
+            return "completed", Score(0.0, False, f"verifier error: {exc}")
+        return "completed", score
 
     def _worker(self, spec: HarnessSpec) -> HarnessWorker | None:
         """The module's worker (created on first use), or None where episodes run as processes."""
@@ -309,9 +332,12 @@ class RolloutDriver:
         return self.config.episode_timeout_s + self.config.verify_timeout_s + rollout_worker.GRACE_S
 
     async def _report(self, handle: SessionHandle, status: str, reward: float | None, reason: str,
-                      end: bool = True) -> str:
-        """Post the reward and end the session; a gateway error is logged and noted in the reason."""
+                      end: bool = True, step_rewards: dict[int, float] | None = None) -> str:
+        """Post the reward (and any step rewards) and end the session; a gateway error is logged and noted in the
+        reason."""
         try:
+            for step, value in (step_rewards or {}).items():
+                await self.gateway.post_reward(handle.session_id, value, step=step)
             if reward is not None:
                 await self.gateway.post_reward(handle.session_id, reward)
             if end:
@@ -426,7 +452,7 @@ def _from_worker(answer: dict[str, Any], train: bool = False) -> _Played:
     try:
         return _Played(verdict=verdict_of(answer["verdict"], train))
     except ValueError as exc:
-        return _Played(verdict=(0.0, False, f"verifier error: {exc}"))
+        return _Played(verdict=Score(0.0, False, f"verifier error: {exc}"))
 
 
 def _all_tasks(config: RolloutConfig) -> dict[str, list[str]]:

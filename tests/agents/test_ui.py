@@ -21,6 +21,7 @@ from stepline.agents.ui.harness import (
     make_app,
     make_tools,
     play,
+    read_down_to,
     replay,
     replay_with_progress,
 )
@@ -176,7 +177,7 @@ def test_partial_credit_counts_the_plan_steps_reached_in_order() -> None:
     both = _episode("ui-0002", ("ask_user", {"question": "Who?"}), ("tap", {"id": coach}))
     assert score("ui-0002", both).reward == pytest.approx(1 / 3)
     expert = play("ui-0002", MAX_TURNS, expert=True)
-    assert (score("ui-0002", expert).reward, replay_with_progress(task_by_id()["ui-0002"], expert.calls)[1]) == (1.0, 3)
+    assert (score("ui-0002", expert).reward, len(replay_with_progress(task_by_id()["ui-0002"], expert.calls)[1])) == (1.0, 3)
 
 
 def test_model_episode_through_the_openai_sdk_then_cli_verify(tmp_path: Path) -> None:
@@ -214,3 +215,25 @@ def test_a_success_whose_reading_disagrees_with_its_action_trains_as_zero() -> N
     first["content"] = "\n".join(["[1] button Not on the screen", said])
     assert "reads '[1] button Not on the screen'" in str(misread(task_by_id()[task_id], episode))
     assert score(task_id, episode).train_reward == 0.0
+
+
+def test_partial_credit_is_also_given_at_the_turn_that_earned_it() -> None:
+    # ui-0004 "Turn on Do not disturb.": the expert opens Sound (turn 0), then taps the switch (turn 1)
+    task = task_by_id()["ui-0004"]
+    expert = play(task.id, MAX_TURNS, expert=True)
+    assert score(task.id, expert).step_rewards == {0: 0.25, 1: 0.25}
+    # the right section, then a wrong switch, both read off their screens: the credit stays with turn 0
+    app = make_app(task)
+    first = app.render()
+    app.tap(2)
+    other = next(i for i in range(1, 9) if (label := find_label(app.render(), i)) and label != "Do not disturb")
+    wrong = _episode(task.id, ("tap", {"id": 2}), ("tap", {"id": other}))
+    wrong.messages = [{"role": "assistant", "content": "\n".join([*read_down_to(first, 2), "Tap Sound."])},
+                      {"role": "assistant", "content": "\n".join([*read_down_to(app.render(), other),
+                                                                  f"Tap {find_label(app.render(), other)}."])}]
+    verdict = score(task.id, wrong)
+    assert (verdict.reward, verdict.train_reward, verdict.step_rewards) == (0.25, None, {0: 0.25})
+    # a reading that disagrees with the tap earns neither the score nor the step's credit in training
+    wrong.messages[0]["content"] = "Tap Display."
+    verdict = score(task.id, wrong)
+    assert (verdict.reward, verdict.train_reward, verdict.step_rewards) == (0.25, 0.0, None)

@@ -207,14 +207,21 @@ def test_config_validation_and_job_file(tmp_path: Path) -> None:
 
 
 def test_parse_verdict() -> None:
-    assert parse_verdict('noise\n{"reward": 1, "success": true, "reason": "ok"}\n') == (1.0, True, "ok")
-    assert parse_verdict('{"reward": 0.5}') == (0.5, False, "")
+    assert parse_verdict('noise\n{"reward": 1, "success": true, "reason": "ok"}\n') == (1.0, True, "ok", None)
+    assert parse_verdict('{"reward": 0.5}') == (0.5, False, "", None)
     # a training episode is rewarded what the verifier says training should optimise; success stays the score's
     guess = '{"reward": 1.0, "success": true, "reason": "r", "train_reward": 0.0}'
-    assert parse_verdict(guess, train=True) == (0.0, True, "r")
-    assert parse_verdict(guess) == (1.0, True, "r")
+    assert parse_verdict(guess, train=True) == (0.0, True, "r", None)
+    assert parse_verdict(guess) == (1.0, True, "r", None)
     with pytest.raises(ValueError, match="train_reward is not a finite number"):
         parse_verdict('{"reward": 1.0, "train_reward": "no"}', train=True)
+    # step rewards ({call index: reward}, JSON's string keys) are for training; evaluation reads the score alone
+    stepped = '{"reward": 0.25, "step_rewards": {"0": 0.25, "2": 0.5}}'
+    assert parse_verdict(stepped, train=True).step_rewards == {0: 0.25, 2: 0.5}
+    assert parse_verdict(stepped).step_rewards is None
+    for steps in ['[0.25]', '{"-1": 0.25}', '{"first": 0.25}', '{"0": "high"}', '{"0": true}']:
+        with pytest.raises(ValueError, match="step_rewards"):
+            parse_verdict(f'{{"reward": 0.25, "step_rewards": {steps}}}', train=True)
     for bad in ["", "not json", '{"reward": "1"}', '{"reward": NaN}', "[1]", '{"reward": true}']:
         with pytest.raises((ValueError, KeyError)):
             parse_verdict(bad)

@@ -4,6 +4,7 @@
     python -m stepline.agents.<name>.run    --task ID --out DIR [--max-turns K] [--max-tokens N] [--expert]
                                                                 -> DIR/episode.json; exit 1 if it broke
     python -m stepline.agents.<name>.verify --task ID --out DIR          -> one JSON line {"reward","success","reason"}
+                                                                   (and, for training, "train_reward", "step_rewards")
 
 Each harness module builds its command with one of the factories below and calls it under
 `if __name__ == "__main__"`.
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import click
+from typing import Annotated
+
 from pydantic import BaseModel, Field
 
 from stepline.agents.common.episode import Episode, EpisodeError, read_episode, write_episode
@@ -33,6 +36,9 @@ class Verdict(BaseModel):
     reason: str
     train_reward: float | None = Field(None, ge=0.0, le=1.0)  # what training optimises where it differs from the
                                                                # score (a harness's check of how the agent got there)
+    # training only: a reward for the model call (0-based turn) that earned it, beside the episode's outcome (the
+    # trainer's `dense` advantage credits it to that step and, discounted, to the steps before it)
+    step_rewards: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(allow_inf_nan=False)]] | None = None
 
 
 def failed(reason: str) -> Verdict:

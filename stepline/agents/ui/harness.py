@@ -51,19 +51,20 @@ def replay(task: Task, calls: Iterable[ToolCall]) -> App:
     return replay_with_progress(task, calls)[0]
 
 
-def replay_with_progress(task: Task, calls: Iterable[ToolCall]) -> tuple[App, int]:
-    """`replay`, and how many of the task's plan goals the actions reached, in the plan's order.
+def replay_with_progress(task: Task, calls: Iterable[ToolCall]) -> tuple[App, list[int]]:
+    """`replay`, and the turn at which each of the task's plan goals was reached, in the plan's order (as many
+    turns as goals reached).
 
     A goal is reached by the action it names on the element it names (the label as shown on the screen
     the action was taken on; "{reply}" is the simulated user's answer); scrolls, backs and other actions
     neither reach nor undo one."""
     app = make_app(task)
     goals = [tuple(part.replace("{reply}", task.user_reply or "") for part in goal) for goal in task.plan]
-    reached = 0
+    turns: list[int] = []
     for call, valid in stepped(app, task, calls):
-        if valid and reached < len(goals) and _reaches(app, call, goals[reached]):
-            reached += 1
-    return app, reached
+        if valid and len(turns) < len(goals) and _reaches(app, call, goals[len(turns)]):
+            turns.append(call.turn)
+    return app, turns
 
 
 def stepped(app: App, task: Task, calls: Iterable[ToolCall]) -> Iterator[tuple[ToolCall, bool]]:

@@ -10,6 +10,10 @@ Training takes the score only from an episode whose reading agrees with its acti
 or type follows lines of the screen it was taken on and a sentence naming the element it acts on ("[2] button
 Sound", "Tap Sound."), as the expert's do. An id that lands on the goal after a reading of other lines, or of
 another element, is a guess: reinforced, it teaches guessing ids and unlearns the reading that finds them.
+
+Training also gets the partial credit where it was earned (`step_rewards`): PARTIAL per the whole plan at the turn
+that reached each plan step, so a step-level advantage (the trainer's `dense`) credits the tap that opened the right
+section, not the wrong switch tapped after it. An episode that misread gets none.
 """
 
 from stepline.agents.common import Episode, Verdict, failed, verify_command
@@ -21,7 +25,8 @@ PARTIAL = 0.5  # the reward of reaching every plan step but not the goal state (
 
 def score(task_id: str, episode: Episode) -> Verdict:
     task = task_by_id()[task_id]
-    app, reached = replay_with_progress(task, episode.calls)
+    app, turns = replay_with_progress(task, episode.calls)
+    reached = len(turns)
     data = app.data
     if episode.state is not None and episode.state.get("data") != data:
         return failed("the recorded app state differs from the replayed actions")
@@ -33,7 +38,12 @@ def score(task_id: str, episode: Episode) -> Verdict:
         verdict = Verdict(reward=1.0, success=True, reason=f"{task.app} state matches the goal")
     if verdict.reward > 0 and misread(task, episode):
         return verdict.model_copy(update={"train_reward": 0.0})
-    return verdict
+    if not turns:
+        return verdict
+    earned: dict[int, float] = {}
+    for turn in turns:  # one turn's calls may reach two plan steps
+        earned[turn] = earned.get(turn, 0.0) + PARTIAL / len(task.plan)
+    return verdict.model_copy(update={"step_rewards": earned})
 
 
 def misread(task: Task, episode: Episode) -> str | None:
