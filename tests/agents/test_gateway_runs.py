@@ -61,6 +61,9 @@ async def test_expert_played_by_the_engine_through_the_gateway_scores_one(harnes
         episode = pool.get_episode(result.session_id)
         assert episode.info.harness == harness and episode.outcome == 1.0
         assert len(episode.tree.calls) == len(texts)  # every model call of the episode was recorded
+        if harness == "ui":  # ask, tap the answer, tap Favorite: each plan step's credit at the call that reached it
+            (trajectory,) = episode.trajectories
+            assert [round(step.reward, 4) for step in trajectory.steps] == [round(0.5 / 3, 4)] * 3 + [0.0]
 
 
 async def test_tiny_model_episodes_of_both_harnesses_land_in_the_pool(tiny_model_dir: Path, tmp_path: Path) -> None:

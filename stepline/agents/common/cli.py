@@ -17,10 +17,9 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-
-import click
 from typing import Annotated
 
+import click
 from pydantic import BaseModel, Field
 
 from stepline.agents.common.episode import Episode, EpisodeError, read_episode, write_episode
