@@ -60,7 +60,6 @@ __all__ = ["EpisodeResult", "HarnessStats", "RolloutDriver", "format_stats", "ru
 log = logging.getLogger("stepline.rollout")
 TAIL = 400  # bytes of a process's output quoted in a failure reason
 SESSION_KEYS = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY")
-Scored = tuple[Literal["completed", "failed"], "Score"]  # how the episode ended, and its score
 
 
 @dataclass
@@ -105,6 +104,9 @@ class Score(NamedTuple):
     success: bool
     reason: str
     step_rewards: dict[int, float] | None = None  # {call index: reward}, training only
+
+
+Scored = tuple[Literal["completed", "failed"], Score]  # how the episode ended, and its score
 
 
 def parse_verdict(stdout: str, train: bool = False) -> Score:
@@ -333,13 +335,17 @@ class RolloutDriver:
 
     async def _report(self, handle: SessionHandle, status: str, reward: float | None, reason: str,
                       end: bool = True, step_rewards: dict[int, float] | None = None) -> str:
-        """Post the reward (and any step rewards) and end the session; a gateway error is logged and noted in the
-        reason."""
+        """Post the reward, then any step rewards, and end the session; a gateway error is logged and noted in the
+        reason (a step reward the gateway refuses, say for a call the session does not have, costs only itself)."""
         try:
-            for step, value in (step_rewards or {}).items():
-                await self.gateway.post_reward(handle.session_id, value, step=step)
             if reward is not None:
                 await self.gateway.post_reward(handle.session_id, reward)
+            for step, value in (step_rewards or {}).items():
+                try:
+                    await self.gateway.post_reward(handle.session_id, value, step=step)
+                except GatewayError as exc:
+                    log.error("session %s: step reward of call %d: %s", handle.session_id, step, exc)
+                    reason = f"{reason}; step reward of call {step}: {exc}"
             if end:
                 await self.gateway.end_session(handle.session_id, status)
         except GatewayError as exc:

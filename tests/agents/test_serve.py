@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from harness_helpers import ROOT, cli, endpoint, verdict
 
-from stepline.agents.common import read_episode
+from stepline.agents.common import Verdict, read_episode
 
 EXPERT_TASKS = {"search": "search-0004", "ui": "ui-0003", "terminal": "count-fox-1"}
 
@@ -60,7 +60,7 @@ def test_expert_episode_matches_run_and_verify(harness: str, tmp_path: Path) -> 
     answer = worker.read()
     assert worker.close() == 0
     assert (answer["id"], answer["outcome"]) == ("1", "ran")
-    assert answer["verdict"] == verdict(harness, task_id, tmp_path / "cli").model_dump()
+    assert Verdict.model_validate(answer["verdict"]) == verdict(harness, task_id, tmp_path / "cli")  # JSON: str keys
     assert answer["verdict"]["success"] is True
     assert read_episode(tmp_path / "w" / "episode") == read_episode(tmp_path / "cli")
 

@@ -20,6 +20,8 @@ class StandIn:
     rewards: dict[str, list[float]] = field(default_factory=dict)
     ends: dict[str, str] = field(default_factory=dict)
     fail_reward_once: set[str] = field(default_factory=set)  # session ids whose first reward gets a 503
+    step_rewards: dict[str, dict[int, float]] = field(default_factory=dict)  # id -> {call index: reward}
+    calls: int | None = None  # the calls every session is taken to have: a step reward for a later one gets a 400
 
 
 @asynccontextmanager
@@ -43,7 +45,13 @@ async def session_standin(model_url: str = "http://127.0.0.1:9") -> AsyncIterato
         if sid in state.fail_reward_once:
             state.fail_reward_once.discard(sid)
             return web.json_response({"error": "busy"}, status=503)
-        state.rewards.setdefault(sid, []).append(float((await request.json())["value"]))
+        body = await request.json()
+        if body.get("step") is None:
+            state.rewards.setdefault(sid, []).append(float(body["value"]))
+        elif state.calls is not None and body["step"] >= state.calls:
+            return web.json_response({"error": {"message": f"step {body['step']} is not a call"}}, status=400)
+        else:
+            state.step_rewards.setdefault(sid, {})[body["step"]] = float(body["value"])
         return web.json_response({})
 
     async def end(request: web.Request) -> web.Response:

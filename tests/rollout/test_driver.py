@@ -54,6 +54,22 @@ async def test_external_command_harness_gets_its_session_and_is_scored(tmp_path:
     assert stats["ext"]["mean_reward"] == pytest.approx((4 * 1.0 + 4 * 0.25) / 8)
 
 
+async def test_a_verdicts_step_rewards_train_and_a_refused_one_costs_only_itself(tmp_path: Path) -> None:
+    verdict = '{"reward": 0.25, "step_rewards": {"0": 0.25, "1": 0.5, "7": 1.0}}'
+    harness = HarnessSpec(name="ext", tasks=["t1"], command="true", verify_command=f"echo '{verdict}'")
+    async with session_standin() as gw, GatewayClient(gw.url, "admin") as client:
+        gw.calls = 2
+        trained = RolloutDriver(_config(harness), client, tmp_path / "train")
+        await trained.run(num_groups=1)
+        evaluated = RolloutDriver(_config(harness), client, tmp_path / "eval", purpose="eval")
+        await evaluated.run(num_groups=1)
+    for result in trained.results:  # the session has 2 calls: the step reward of call 7 is refused, the rest lands
+        assert gw.rewards[result.session_id] == [0.25] and gw.ends[result.session_id] == "completed"
+        assert gw.step_rewards[result.session_id] == {0: 0.25, 1: 0.5}
+        assert "step reward of call 7" in result.reason
+    assert not any(r.session_id in gw.step_rewards for r in evaluated.results)  # evaluation takes the score alone
+
+
 async def test_crash_hang_and_garbage_end_as_failed_and_the_job_goes_on(tmp_path: Path) -> None:
     pidfile = tmp_path / "child.pid"
     good = HarnessSpec(name="good", tasks=["a"], command="true", verify_command="echo '{\"reward\": 1.0}'")
