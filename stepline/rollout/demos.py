@@ -38,8 +38,7 @@ async def _expert_episode(spec: HarnessSpec, task_id: str, work: Path) -> tuple[
         sys.executable, "-m", f"{spec.module}.verify", "--task", task_id, "--out", str(out),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     stdout, _ = await verify.communicate()
-    reward, _success, _reason, _steps = parse_verdict(stdout.decode())
-    return None if reward is None else (json.loads((out / "episode.json").read_text()), reward)
+    return json.loads((out / "episode.json").read_text()), parse_verdict(stdout.decode()).reward
 
 
 def kind_weights(spec: HarnessSpec, ids: list[str], weights: Mapping[str, int]) -> list[int]:

@@ -45,7 +45,9 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, TypeGuard
+from typing import Annotated, Any, Literal, NamedTuple, TypeGuard
+
+from pydantic import Field, NonNegativeInt, TypeAdapter, ValidationError
 
 from stepline.datapool.records import EXPERT_KEY, REFERENCE_KEY, Purpose
 from stepline.rollout import trees
@@ -100,13 +102,16 @@ async def run_process(argv: list[str], env: Mapping[str, str], cwd: Path, timeou
 class Score(NamedTuple):
     """A verifier's verdict as the driver uses it: what training optimises (or evaluation reports), and where."""
 
-    reward: float | None  # None: no reward is posted (a failed episode, where failures are not scored)
+    reward: float
     success: bool
     reason: str
     step_rewards: dict[int, float] | None = None  # {call index: reward}, training only
 
 
-Scored = tuple[Literal["completed", "failed"], Score]  # how the episode ended, and its score
+# status, reward (None: none is posted), success, reason, step rewards
+Scored = tuple[Literal["completed", "failed"], float | None, bool, str, dict[int, float] | None]
+# {call index: finite reward}; JSON's string keys are read as the indices they spell
+STEP_REWARDS = TypeAdapter(dict[NonNegativeInt, Annotated[float, Field(strict=True, allow_inf_nan=False)]])
 
 
 def parse_verdict(stdout: str, train: bool = False) -> Score:
@@ -133,19 +138,12 @@ def verdict_of(data: Any, train: bool = False) -> Score:
             raise ValueError(f"train_reward is not a finite number in {str(data)[:120]!r}")
         reward = trained
     steps = data.get("step_rewards") if train else None
-    return Score(float(reward), success, str(data.get("reason", "")), None if steps is None else _step_rewards(steps))
-
-
-def _step_rewards(steps: object) -> dict[int, float]:
-    if not isinstance(steps, dict):
-        raise ValueError(f"step_rewards is not an object of call index -> reward: {str(steps)[:120]!r}")
-    out: dict[int, float] = {}
-    for key, value in steps.items():
-        index = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else -1
-        if index < 0 or not _finite(value):
-            raise ValueError(f"step_rewards needs call indices >= 0 and finite rewards, not {key!r}: {value!r}")
-        out[index] = float(value)
-    return out
+    try:
+        step_rewards = None if steps is None else STEP_REWARDS.validate_python(steps)
+    except ValidationError as exc:
+        raise ValueError(f"step_rewards is not {{call index >= 0: finite reward}} ({exc.errors()[0]['msg']}): "
+                         f"{str(steps)[:120]!r}") from None
+    return Score(float(reward), success, str(data.get("reason", "")), step_rewards)
 
 
 def _finite(value: object) -> TypeGuard[float]:
@@ -234,7 +232,7 @@ class RolloutDriver:
         out = self.work_dir / handle.session_id
         out.mkdir(parents=True)
         try:
-            status, (reward, success, reason, steps) = await self._play_and_score(spec, task_id, handle, out, expert)
+            status, reward, success, reason, steps = await self._play_and_score(spec, task_id, handle, out, expert)
             reason = await self._report(handle, status, reward, reason, end, steps)
         finally:
             if not self.config.keep_episodes:
@@ -249,9 +247,9 @@ class RolloutDriver:
         played = await (self._play_expert(spec, task_id, handle, env, out) if expert else self._play(spec, task_id, env, out))
         if played.failure is not None:
             failed_reward = self.config.failed_reward if self.config.score_failed else None
-            return "failed", Score(failed_reward, False, played.failure)
+            return "failed", failed_reward, False, played.failure, None
         if played.verdict is not None:
-            return "completed", played.verdict
+            return "completed", *played.verdict
         return await self._verify_in_process(spec, task_id, env, out)
 
     async def _play(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> _Played:
@@ -296,7 +294,7 @@ class RolloutDriver:
     async def _verify_in_process(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> Scored:
         argv = self._verify_argv(spec, task_id, out)
         if argv is None:
-            return "completed", Score(None, False, "reward posted by the harness")
+            return "completed", None, False, "reward posted by the harness", None
         checked = await run_process(argv, {**os.environ, **env}, Path.cwd(), self.config.verify_timeout_s, out / "verify")
         try:
             if checked.returncode is None:
@@ -304,8 +302,8 @@ class RolloutDriver:
             score = parse_verdict(checked.stdout, train=self.purpose == "train")
         except (ValueError, KeyError) as exc:
             log.warning("verifier of %s %s scored 0: %s (stderr: %s)", spec.name, task_id, exc, checked.stderr[-200:])
-            return "completed", Score(0.0, False, f"verifier error: {exc}")
-        return "completed", score
+            return "completed", 0.0, False, f"verifier error: {exc}", None
+        return "completed", *score
 
     def _worker(self, spec: HarnessSpec) -> HarnessWorker | None:
         """The module's worker (created on first use), or None where episodes run as processes."""

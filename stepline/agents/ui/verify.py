@@ -16,6 +16,8 @@ that reached each plan step, so a step-level advantage (the trainer's `dense`) c
 section, not the wrong switch tapped after it. An episode that misread gets none.
 """
 
+from collections import Counter
+
 from stepline.agents.common import Episode, Verdict, failed, verify_command
 from stepline.agents.ui.harness import NAME, find_label, known, make_app, replay_with_progress, stepped
 from stepline.agents.ui.world import Task, task_by_id
@@ -26,23 +28,20 @@ PARTIAL = 0.5  # the reward of reaching every plan step but not the goal state (
 def score(task_id: str, episode: Episode) -> Verdict:
     task = task_by_id()[task_id]
     app, turns = replay_with_progress(task, episode.calls)
-    reached = len(turns)
     data = app.data
     if episode.state is not None and episode.state.get("data") != data:
         return failed("the recorded app state differs from the replayed actions")
     if data != task.target:
         changed = "unchanged" if data == task.data else "changed, but not as asked"
-        verdict = Verdict(reward=PARTIAL * reached / len(task.plan), success=False,
-                          reason=f"{task.app} state {changed} ({reached} of {len(task.plan)} plan steps)")
+        verdict = Verdict(reward=PARTIAL * len(turns) / len(task.plan), success=False,
+                          reason=f"{task.app} state {changed} ({len(turns)} of {len(task.plan)} plan steps)")
     else:
         verdict = Verdict(reward=1.0, success=True, reason=f"{task.app} state matches the goal")
     if verdict.reward > 0 and misread(task, episode):
         return verdict.model_copy(update={"train_reward": 0.0})
     if not turns:
         return verdict
-    earned: dict[int, float] = {}
-    for turn in turns:  # one turn's calls may reach two plan steps
-        earned[turn] = earned.get(turn, 0.0) + PARTIAL / len(task.plan)
+    earned = {turn: n * PARTIAL / len(task.plan) for turn, n in Counter(turns).items()}  # a turn may reach two steps
     return verdict.model_copy(update={"step_rewards": earned})
 
 
