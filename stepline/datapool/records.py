@@ -27,6 +27,7 @@ LeafRule = Literal["all", "drop_superseded", "main"]
 NO_VERSION = -1  # weight version of observation tokens (not sampled by any policy)
 REFERENCE_KEY = "reference"  # the session-metadata key of the task's gold answer (IGPO's information gain)
 EXPERT_KEY = "expert"  # the session-metadata flag of an expert's episode in a training group (no policy sampled it)
+HINDSIGHT_KEY = "hindsight"  # the session-metadata flag of a failed episode recorded again under what it did achieve
 FORK_KEY = "fork_of"  # the session-metadata key of a fork's link, {"session": id, "call": k} (set by the gateway)
 END_REASON_KEY = "end_reason"  # the session-metadata key saying why the pool abandoned a session (set by the pool)
 

@@ -100,6 +100,10 @@ class HarnessSpec(BaseModel):
         0, ge=0, description="off-policy guidance (LUFFY): this many of each training group's episodes are played by "
                              "the module's scripted expert (`run --expert`) and recorded as expert sessions, which "
                              "the trainer takes with ratio 1; the group's baseline counts them. Never in evaluation")
+    hindsight: bool = Field(
+        False, description="hindsight relabelling (HER): a failed training episode whose verdict names the first user "
+                           "message under which it succeeds (`hindsight`) is recorded again under it, in its group, as "
+                           "an expert session with outcome 1 (with trainer.expert_sft_coef > 0: cross-entropy beside RL)")
 
     @field_validator("module")
     @classmethod

@@ -44,12 +44,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple, TypeGuard
 
 from pydantic import Field, NonNegativeInt, TypeAdapter, ValidationError
 
-from stepline.datapool.records import EXPERT_KEY, REFERENCE_KEY, Purpose
+from stepline.datapool.records import EXPERT_KEY, HINDSIGHT_KEY, REFERENCE_KEY, Purpose
 from stepline.rollout import trees
 from stepline.rollout import worker as rollout_worker
 from stepline.rollout.client import GatewayClient, GatewayError, SessionHandle
@@ -106,10 +107,11 @@ class Score(NamedTuple):
     success: bool
     reason: str
     step_rewards: dict[int, float] | None = None  # {call index: reward}, training only
+    hindsight: str | None = None  # training only: the first user message under which the failed episode succeeds
 
 
-# status, reward (None: none is posted), success, reason, step rewards
-Scored = tuple[Literal["completed", "failed"], float | None, bool, str, dict[int, float] | None]
+# status, the reward posted (None: none), the verdict (a failed episode's: reward 0, its failure as the reason)
+Scored = tuple[Literal["completed", "failed"], float | None, Score]
 # {call index: finite reward}; JSON's string keys are read as the indices they spell
 STEP_REWARDS = TypeAdapter(dict[NonNegativeInt, Annotated[float, Field(strict=True, allow_inf_nan=False)]])
 
@@ -124,10 +126,10 @@ def parse_verdict(stdout: str, train: bool = False) -> Score:
 
 
 def verdict_of(data: Any, train: bool = False) -> Score:
-    """The Score of a verdict object {"reward": x, "success"?, "reason"?, "train_reward"?, "step_rewards"?}. With
-    `train`, a verdict's train_reward (what training optimises, e.g. the score kept only where the agent's reasoning
-    agrees with its actions) replaces its reward, and its step_rewards ({call index: reward}, keys as JSON strings
-    or ints) come along; success stays the score's."""
+    """The Score of a verdict object {"reward": x, "success"?, "reason"?, "train_reward"?, "step_rewards"?,
+    "hindsight"?}. With `train`, a verdict's train_reward (what training optimises, e.g. the score kept only where the
+    agent's reasoning agrees with its actions) replaces its reward, and its step_rewards ({call index: reward}, keys as
+    JSON strings or ints) and hindsight (a first user message) come along; success stays the score's."""
     reward = data["reward"] if isinstance(data, dict) else None
     if not _finite(reward):
         raise ValueError(f"no finite numeric reward in {str(data)[:120]!r}")
@@ -143,7 +145,10 @@ def verdict_of(data: Any, train: bool = False) -> Score:
     except ValidationError as exc:
         raise ValueError(f"step_rewards is not {{call index >= 0: finite reward}} ({exc.errors()[0]['msg']}): "
                          f"{str(steps)[:120]!r}") from None
-    return Score(float(reward), success, str(data.get("reason", "")), step_rewards)
+    hindsight = data.get("hindsight") if train else None
+    if hindsight is not None and not isinstance(hindsight, str):
+        raise ValueError(f"hindsight is not a message's text: {str(hindsight)[:120]!r}")
+    return Score(float(reward), success, str(data.get("reason", "")), step_rewards, hindsight)
 
 
 def _finite(value: object) -> TypeGuard[float]:
@@ -164,6 +169,7 @@ class RolloutDriver:
         self.stats: dict[str, HarnessStats] = {h.name: HarnessStats() for h in config.harnesses}
         self.results: list[EpisodeResult] = []
         self.expert_results: list[EpisodeResult] = []  # expert episodes in training groups (not the policy's stats)
+        self.relabelled = 0  # failed episodes recorded again under their hindsight message (`HarnessSpec.hindsight`)
         self.slots = asyncio.Semaphore(config.max_concurrency)
         self._started = time.monotonic()
         self._draw: _TaskDraw | None = None
@@ -210,7 +216,12 @@ class RolloutDriver:
         return result
 
     async def _attempt(self, spec: HarnessSpec, task_id: str, group_id: str | None, metadata: dict[str, Any]) -> EpisodeResult:
-        result, _ = await self.played(spec, task_id, lambda: self.open_session(spec, task_id, group_id, metadata))
+        relabel = None
+        if spec.hindsight and self.purpose == "train":  # opened before the episode's own session ends: one group
+            relabel = partial(self.open_session, spec, task_id, group_id, {**metadata, EXPERT_KEY: True,
+                                                                            HINDSIGHT_KEY: True})
+        result, _ = await self.played(spec, task_id, lambda: self.open_session(spec, task_id, group_id, metadata),
+                                      relabel=relabel)
         return result
 
     def open_session(self, spec: HarnessSpec, task_id: str, group_id: str | None,
@@ -222,8 +233,12 @@ class RolloutDriver:
                                          None if t is None else {"temperature": t})
 
     async def played(self, spec: HarnessSpec, task_id: str, open_session: Callable[[], Awaitable[SessionHandle]],
-                      end: bool = True, expert: bool = False) -> tuple[EpisodeResult, SessionHandle | None]:
-        """Open a session, play and score it, post its reward and (if `end`) end it."""
+                     end: bool = True, expert: bool = False,
+                     relabel: Callable[[], Awaitable[SessionHandle]] | None = None,
+                     ) -> tuple[EpisodeResult, SessionHandle | None]:
+        """Open a session, play and score it, post its reward and (if `end`) end it; with `relabel`, a failed
+        episode the verifier relabelled (its `hindsight`) is first recorded under that message in a session `relabel`
+        opens, as a demonstration."""
         started = time.monotonic()
         try:
             handle = await open_session()
@@ -232,14 +247,35 @@ class RolloutDriver:
         out = self.work_dir / handle.session_id
         out.mkdir(parents=True)
         try:
-            status, reward, success, reason, steps = await self._play_and_score(spec, task_id, handle, out, expert)
-            reason = await self._report(handle, status, reward, reason, end, steps)
+            status, reward, score = await self._play_and_score(spec, task_id, handle, out, expert)
+            reason = score.reason
+            if relabel is not None and score.hindsight is not None:
+                reason += await self._post_hindsight(relabel, out, score.hindsight)
+            reason = await self._report(handle, status, reward, reason, end, score.step_rewards)
         finally:
             if not self.config.keep_episodes:
                 shutil.rmtree(out, ignore_errors=True)
-        result = EpisodeResult(spec.name, task_id, handle.session_id, status, reward, success, reason,
+        result = EpisodeResult(spec.name, task_id, handle.session_id, status, reward, score.success, reason,
                                seconds=time.monotonic() - started)
         return result, handle
+
+    async def _post_hindsight(self, relabel: Callable[[], Awaitable[SessionHandle]], out: Path, message: str) -> str:
+        """Record the episode's conversation with its first user message replaced by `message` in a new expert
+        session (outcome 1: under that message it succeeds) and count it; a failure is logged and only noted."""
+        try:
+            episode = json.loads((out / "episode" / "episode.json").read_text())
+            messages = [dict(m) for m in episode["messages"]]
+            first = next(m for m in messages if m.get("role") == "user")
+            first["content"] = message
+            handle = await relabel()
+            await self.gateway.post_demonstration(handle.session_id, {"messages": messages, "tools": episode.get("tools")})
+            await self.gateway.post_reward(handle.session_id, 1.0)
+            await self.gateway.end_session(handle.session_id, "completed")
+        except (OSError, ValueError, KeyError, StopIteration, GatewayError) as exc:
+            log.warning("hindsight relabelling not recorded: %s", exc)
+            return f"; hindsight not recorded: {exc}"
+        self.relabelled += 1
+        return "; relabelled in hindsight"
 
     async def _play_and_score(self, spec: HarnessSpec, task_id: str, handle: SessionHandle, out: Path,
                               expert: bool = False) -> Scored:
@@ -247,9 +283,9 @@ class RolloutDriver:
         played = await (self._play_expert(spec, task_id, handle, env, out) if expert else self._play(spec, task_id, env, out))
         if played.failure is not None:
             failed_reward = self.config.failed_reward if self.config.score_failed else None
-            return "failed", failed_reward, False, played.failure, None
+            return "failed", failed_reward, Score(0.0, False, played.failure)
         if played.verdict is not None:
-            return "completed", *played.verdict
+            return "completed", played.verdict.reward, played.verdict
         return await self._verify_in_process(spec, task_id, env, out)
 
     async def _play(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> _Played:
@@ -294,7 +330,7 @@ class RolloutDriver:
     async def _verify_in_process(self, spec: HarnessSpec, task_id: str, env: dict[str, str], out: Path) -> Scored:
         argv = self._verify_argv(spec, task_id, out)
         if argv is None:
-            return "completed", None, False, "reward posted by the harness", None
+            return "completed", None, Score(0.0, False, "reward posted by the harness")
         checked = await run_process(argv, {**os.environ, **env}, Path.cwd(), self.config.verify_timeout_s, out / "verify")
         try:
             if checked.returncode is None:
@@ -302,8 +338,8 @@ class RolloutDriver:
             score = parse_verdict(checked.stdout, train=self.purpose == "train")
         except (ValueError, KeyError) as exc:
             log.warning("verifier of %s %s scored 0: %s (stderr: %s)", spec.name, task_id, exc, checked.stderr[-200:])
-            return "completed", 0.0, False, f"verifier error: {exc}", None
-        return "completed", *score
+            return "completed", 0.0, Score(0.0, False, f"verifier error: {exc}")
+        return "completed", score.reward, score
 
     def _worker(self, spec: HarnessSpec) -> HarnessWorker | None:
         """The module's worker (created on first use), or None where episodes run as processes."""

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from stepline.datapool.records import HINDSIGHT_KEY
 from stepline.trainer.algorithms import (
     ADVANTAGES,
     CLIP_RULES,
@@ -436,10 +437,11 @@ def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int
     for reason, n in batch.skipped.items():
         out[f"skipped_{reason}"] = n
     by_harness: dict[str, list[float]] = defaultdict(list)  # the policy's episodes (an expert's are counted apart)
-    experts = 0
+    experts = relabelled = 0
     for ep, r in zip(batch.episodes, batch.outcome.tolist()):
         if ep.info.expert:
             experts += 1
+            relabelled += ep.info.metadata.get(HINDSIGHT_KEY) is True
         else:
             by_harness[ep.info.harness].append(r)
     own = [r for rewards in by_harness.values() for r in rewards]
@@ -447,6 +449,8 @@ def _summary(batch: Batch, plan, advantages, stats, obj: Objective, version: int
     out.update({f"reward/{h}": float(np.mean(v)) for h, v in by_harness.items()})
     if experts:
         out["expert_episodes"] = experts
+    if relabelled:
+        out["hindsight_episodes"] = relabelled  # of the expert episodes: the policy's own, relabelled in hindsight
     if advantages is not None and advantages.numel():
         out.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std(unbiased=False)),
                    adv_min=float(advantages.min()), adv_max=float(advantages.max()))

@@ -6,6 +6,7 @@ with their rewards and groups)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,12 @@ import pytest
 from fakes.engine import FakeEngine, Scripted, recording_gateway
 from tokenizers import Tokenizer
 
+from stepline.agents.common import Episode, run_episode
 from stepline.agents.search.harness import play as search_play
+from stepline.agents.ui.harness import SYSTEM, ExpertPolicy, make_app, make_tools
 from stepline.agents.ui.harness import play as ui_play
+from stepline.agents.ui.world import task_by_id, toggle_text
+from stepline.datapool.records import HINDSIGHT_KEY
 from stepline.rollout.client import GatewayClient
 from stepline.rollout.config import HarnessSpec, RolloutConfig
 from stepline.rollout.driver import RolloutDriver
@@ -85,3 +90,37 @@ async def test_tiny_model_episodes_of_both_harnesses_land_in_the_pool(tiny_model
             # one group per draw; the driver's group ids start with task::harness
             keys = sorted(g.episodes[0].info.group_key.rsplit("::", 1)[0] for g in groups)
             assert keys == ["search-0004::search"] * 2 + ["ui-0003::ui"] * 2
+
+
+async def test_a_failed_ui_episode_is_recorded_again_under_what_it_did(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # "Turn on Do not disturb.": the policy opens Sound, reads down to Vibrate and turns that on instead
+    task = task_by_id()["ui-0004"]
+    wrong = replace(task, instruction=toggle_text("Vibrate", not task.data["toggles"]["Vibrate"]),
+                    plan=(("tap", "Sound"), ("tap", "Vibrate")))
+    policy = ExpertPolicy(wrong, make_app(wrong).render())
+    app = make_app(wrong)
+    episode = Episode(harness="ui", task_id=task.id)
+    run_episode(policy, episode, system=SYSTEM, user="", tools=make_tools(app, wrong), max_turns=4)
+    texts = [hermes_text(m) for m in episode.messages if m["role"] == "assistant"]
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    end = tok.token_to_id(END)
+    script = [Scripted(tok.encode(t, add_special_tokens=False).ids + [end], text=t) for t in texts]
+    engine = FakeEngine(script, eos_id=end, decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+    spec = HarnessSpec(name="ui", module="stepline.agents.ui", tasks=[task.id], hindsight=True)
+    async with engine as engine_url, gateway(tiny_model_dir, engine_url, tmp_path, "sglang") as (url, pool):
+        async with GatewayClient(url, "adm") as client:
+            driver = RolloutDriver(RolloutConfig(harnesses=[spec], group_size=1), client, tmp_path / "w")
+            await driver.run(num_groups=1)
+        (result,) = driver.results
+        assert (result.reward, result.success, driver.relabelled) == (0.25, False, 1), result.reason
+        (group,) = pool.claim_groups("test", min_version=0, max_groups=2, group_size=2)
+        played, relabelled = sorted(group.episodes, key=lambda e: e.info.expert)
+        assert played.info.session_id == result.session_id and not played.info.expert
+        assert relabelled.info.expert and relabelled.info.metadata[HINDSIGHT_KEY] is True
+        assert (played.outcome, relabelled.outcome) == (0.25, 1.0)
+        # the same turns, the first user message naming what the episode did
+        assert len(relabelled.tree.calls) == len(played.tree.calls) == len(texts)
+        prompts = [tok.decode([int(t) for n in e.tree.nodes if n.kind == "obs" and n.call_index == 0 for t in n.tokens],
+                              skip_special_tokens=False) for e in (played, relabelled)]
+        assert task.instruction in prompts[0] and wrong.instruction not in prompts[0]
+        assert wrong.instruction in prompts[1] and task.instruction not in prompts[1]

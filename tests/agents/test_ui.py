@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,13 +12,14 @@ from harness_helpers import cli, endpoint, random_policy, server_policy, verdict
 
 from stepline.agents.common import Episode, ToolCall, ToolError, read_episode, run_episode
 from stepline.agents.common.scripted_server import ScriptedServer
-from stepline.agents.ui.apps import AlarmsApp, ContactsApp, ShoppingApp
+from stepline.agents.ui.apps import SECTIONS, AlarmsApp, ContactsApp, ShoppingApp
 from stepline.agents.ui.harness import (
     MAX_TURNS,
     SYSTEM,
     ExpertPolicy,
     find_id,
     find_label,
+    first_message,
     make_app,
     make_tools,
     play,
@@ -27,7 +29,17 @@ from stepline.agents.ui.harness import (
 )
 from stepline.agents.ui.tasks import split_ids
 from stepline.agents.ui.verify import misread, score
-from stepline.agents.ui.world import APP_ORDER, task_by_id, tasks
+from stepline.agents.ui.world import (
+    APP_ORDER,
+    Task,
+    alarm_text,
+    buy_text,
+    delete_text,
+    favorite_text,
+    task_by_id,
+    tasks,
+    toggle_text,
+)
 
 ALARMS = {"alarms": [{"time": t, "on": False} for t in ("06:00", "07:00", "08:00", "09:00")]}
 
@@ -237,3 +249,63 @@ def test_partial_credit_is_also_given_at_the_turn_that_earned_it() -> None:
     wrong.messages[0]["content"] = "Tap Display."
     verdict = score(task.id, wrong)
     assert (verdict.reward, verdict.train_reward, verdict.step_rewards) == (0.25, 0.0, None)
+
+
+def _expert_on(task: Task, instruction: str, plan: tuple[tuple[str, ...], ...]) -> Episode:
+    """The expert's episode on `task`'s start, carrying out another instruction (its plan) instead of the task's."""
+    other = replace(task, instruction=instruction, plan=plan)
+    app = make_app(other)
+    episode = Episode(harness="ui", task_id=task.id, expert=True)
+    run_episode(ExpertPolicy(other, app.render()), episode, system=SYSTEM, user=first_message(instruction, app.render()),
+                tools=make_tools(app, other), max_turns=MAX_TURNS)
+    episode.state = {"data": app.data}
+    return episode
+
+
+def _sibling(task: Task) -> tuple[str, tuple[tuple[str, ...], ...]]:
+    """Another task of the same kind from the same start: what a policy that read the wrong line did."""
+    data = task.data
+    if task.kind == "toggle":
+        section, toggle = next((s, t) for s, ts in SECTIONS.items() for t in ts if t != task.plan[1][1])
+        return toggle_text(toggle, not data["toggles"][toggle]), (("tap", section), ("tap", toggle))
+    if task.kind == "switch":
+        alarm = next(a for a in data["alarms"] if a["time"] != task.plan[0][1])
+        return alarm_text(alarm["time"], not alarm["on"]), (("tap", alarm["time"]),)
+    if task.kind in ("favorite", "delete"):
+        contact = next(c for c in data["contacts"] if c["name"] != task.plan[0][1] and not c["favorite"])
+        text = favorite_text if task.kind == "favorite" else delete_text
+        return text(contact["name"]), (("tap", contact["name"]), ("tap", task.plan[1][1]))
+    product = next(p for p in data["products"] if p != task.plan[0][1])
+    if task.kind == "quantity":
+        return buy_text(product, 3), (("tap", product), ("type", "Quantity", "3"), ("tap", "Add to cart"))
+    return buy_text(product), (("tap", product), ("tap", "Add to cart"))
+
+
+@pytest.mark.parametrize("kind", ["toggle", "switch", "favorite", "delete", "buy", "quantity"])
+def test_a_failed_episode_is_relabelled_with_the_instruction_it_carried_out(kind: str) -> None:
+    task = next(t for t in tasks() if t.kind == kind and t.split == "train"
+                and ("contacts" not in t.data or sum(not c["favorite"] for c in t.data["contacts"]) >= 2))
+    instruction, plan = _sibling(task)
+    episode = _expert_on(task, instruction, plan)  # read as the expert reads, on the wrong element
+    verdict = score(task.id, episode)
+    assert not verdict.success
+    assert verdict.hindsight == first_message(instruction, make_app(task).render()) == episode.messages[1]["content"]
+    assert score(task.id, play(task.id, MAX_TURNS, expert=True)).hindsight is None  # a success needs no relabel
+
+
+def test_hindsight_needs_one_describable_change_read_off_the_screen() -> None:
+    task = task_by_id()["ui-0004"]  # "Turn on Do not disturb.": Sound is [2] on the first screen
+    assert score(task.id, _episode(task.id)).hindsight is None  # nothing changed
+    assert score(task.id, _episode(task.id, ("tap", {"id": 2}))).hindsight is None  # opened a section only
+    app = make_app(task)
+    app.tap(2)
+    switches = [i for i in range(1, 9) if find_label(app.render(), i) not in (None, "Do not disturb")]
+    both = _expert_on(task, "Turn two switches.", (("tap", "Sound"), ("tap", find_label(app.render(), switches[0])),
+                                                    ("tap", find_label(app.render(), switches[1]))))
+    assert score(task.id, both).hindsight is None  # two changes: no one task of the world did that
+    instruction, plan = _sibling(task)
+    guessed = _expert_on(task, instruction, plan)
+    guessed.messages[2]["content"] = "Tap Somewhere."  # the section's tap not read off the screen
+    assert score(task.id, guessed).hindsight is None
+    asked = _expert_on(task, instruction, (("ask", "Which one?"), *plan[:2]))
+    assert asked.calls[0].name == "ask_user" and score(task.id, asked).hindsight is None

@@ -16,7 +16,7 @@ from stepline.agents.ui.world import tasks as ui_tasks
 from stepline.launch.job import load_job
 from stepline.rollout.client import GatewayClient
 from stepline.rollout.config import HarnessError, HarnessSpec, RolloutConfig, list_tasks, training_tasks
-from stepline.rollout.driver import RolloutDriver, format_stats, parse_verdict, run_rollouts
+from stepline.rollout.driver import RolloutDriver, Score, format_stats, parse_verdict, run_rollouts
 
 PY = sys.executable
 
@@ -223,12 +223,12 @@ def test_config_validation_and_job_file(tmp_path: Path) -> None:
 
 
 def test_parse_verdict() -> None:
-    assert parse_verdict('noise\n{"reward": 1, "success": true, "reason": "ok"}\n') == (1.0, True, "ok", None)
-    assert parse_verdict('{"reward": 0.5}') == (0.5, False, "", None)
+    assert parse_verdict('noise\n{"reward": 1, "success": true, "reason": "ok"}\n') == Score(1.0, True, "ok")
+    assert parse_verdict('{"reward": 0.5}') == Score(0.5, False, "")
     # a training episode is rewarded what the verifier says training should optimise; success stays the score's
     guess = '{"reward": 1.0, "success": true, "reason": "r", "train_reward": 0.0}'
-    assert parse_verdict(guess, train=True) == (0.0, True, "r", None)
-    assert parse_verdict(guess) == (1.0, True, "r", None)
+    assert parse_verdict(guess, train=True) == Score(0.0, True, "r")
+    assert parse_verdict(guess) == Score(1.0, True, "r")
     with pytest.raises(ValueError, match="train_reward is not a finite number"):
         parse_verdict('{"reward": 1.0, "train_reward": "no"}', train=True)
     # step rewards ({call index: reward}, JSON's string keys) are for training; evaluation reads the score alone
@@ -238,6 +238,11 @@ def test_parse_verdict() -> None:
     for steps in ['[0.25]', '{"-1": 0.25}', '{"first": 0.25}', '{"0": "high"}', '{"0": true}']:
         with pytest.raises(ValueError, match="step_rewards"):
             parse_verdict(f'{{"reward": 0.25, "step_rewards": {steps}}}', train=True)
+    # a failed episode's hindsight message (what it did achieve) is for training too, and must be a message's text
+    relabelled = '{"reward": 0.25, "hindsight": "Turn on Wi-Fi."}'
+    assert (parse_verdict(relabelled, train=True).hindsight, parse_verdict(relabelled).hindsight) == ("Turn on Wi-Fi.", None)
+    with pytest.raises(ValueError, match="hindsight is not a message's text"):
+        parse_verdict('{"reward": 0.25, "hindsight": ["Turn on Wi-Fi."]}', train=True)
     for bad in ["", "not json", '{"reward": "1"}', '{"reward": NaN}', "[1]", '{"reward": true}']:
         with pytest.raises((ValueError, KeyError)):
             parse_verdict(bad)

@@ -397,13 +397,13 @@ def test_an_experts_tokens_train_as_the_policys_own_samples(tiny_model_dir: Path
             own = variant == "on-policy" or (variant == "expert" and i > 0)
             lps = own_logprobs(policy.model, prompt, out) if own else [0.0] * 5
             episodes.append(episode_from_calls(f"s{i}", [FakeCall(prompt, out, lps)], outcome=float(i == 0)))
-        if variant == "expert":
-            episodes[0].info.metadata["expert"] = True
+        if variant == "expert":  # an expert's: a relabelled episode of the policy's own is counted as one too
+            episodes[0].info.metadata.update(expert=True, hindsight=True)
         before = flat(policy.model)
         m = update(policy, build_batch([Group("g", "t::h", episodes, 0)]), objective(cfg, 0, False), version=0)
         steps.append(flat(policy.model) - before)
         if variant == "expert":  # the training reward is the policy's own; the expert's episode is counted apart
-            assert (m["expert_episodes"], m["reward_mean"]) == (1, 0.0)
+            assert (m["expert_episodes"], m["hindsight_episodes"], m["reward_mean"]) == (1, 1, 0.0)
         if variant != "zeros as recorded":
             assert m["ratio_min"] == pytest.approx(1, abs=1e-5) and m["ratio_max"] == pytest.approx(1, abs=1e-5)
     torch.testing.assert_close(steps[0], steps[1], atol=1e-6, rtol=0)

@@ -38,6 +38,9 @@ class Verdict(BaseModel):
     # training only: a reward for the model call (0-based turn) that earned it, beside the episode's outcome (the
     # trainer's `dense` advantage credits it to that step and, discounted, to the steps before it)
     step_rewards: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(allow_inf_nan=False)]] | None = None
+    # training only: for a failed episode, the first user message under which it would have succeeded (the instruction
+    # it did carry out): the driver's hindsight relabelling records the episode under it as a demonstration
+    hindsight: str | None = None
 
 
 def failed(reason: str) -> Verdict:

@@ -159,6 +159,11 @@ class ExpertPolicy:
         return said(f"{read}\nType {text} into {label}.", tool_turn("type", turn, id=node_id, text=text))
 
 
+def first_message(instruction: str, screen: str) -> str:
+    """The user's message that opens an episode: the instruction, then the app's first screen."""
+    return f"{instruction}\n\n{screen}"
+
+
 def play(task_id: str, max_turns: int, max_tokens: int = 128, expert: bool = False) -> Episode:
     task = task_by_id()[task_id]
     app = make_app(task)
@@ -167,7 +172,8 @@ def play(task_id: str, max_turns: int, max_tokens: int = 128, expert: bool = Fal
     policy: ExpertPolicy | OpenAIPolicy = ExpertPolicy(task, screen) if expert else OpenAIPolicy(tools, max_tokens=max_tokens)
     model = policy.model if isinstance(policy, OpenAIPolicy) else ""
     episode = Episode(harness=NAME, task_id=task_id, expert=expert, model=model)
-    run_episode(policy, episode, system=SYSTEM, user=f"{task.instruction}\n\n{screen}", tools=tools, max_turns=max_turns)
+    run_episode(policy, episode, system=SYSTEM, user=first_message(task.instruction, screen), tools=tools,
+                max_turns=max_turns)
     episode.state = {"app": task.app, "data": app.data, "screen": app.render()}
     return episode
 

@@ -14,12 +14,17 @@ another element, is a guess: reinforced, it teaches guessing ids and unlearns th
 Training also gets the partial credit where it was earned (`step_rewards`): PARTIAL per the whole plan at the turn
 that reached each plan step, so a step-level advantage (the trainer's `dense`) credits the tap that opened the right
 section, not the wrong switch tapped after it. An episode that misread gets none.
+
+A failed episode that changed the app as one task would, asking nothing and reading as it acted, also gets the
+first user message of that task (`hindsight`, stepline/agents/ui/hindsight.py): what it did, as a demonstration.
 """
 
 from collections import Counter
+from typing import Any
 
 from stepline.agents.common import Episode, Verdict, failed, verify_command
-from stepline.agents.ui.harness import NAME, find_label, known, make_app, replay_with_progress, stepped
+from stepline.agents.ui.harness import NAME, find_label, first_message, known, make_app, replay_with_progress, stepped
+from stepline.agents.ui.hindsight import achieved
 from stepline.agents.ui.world import Task, task_by_id
 
 PARTIAL = 0.5  # the reward of reaching every plan step but not the goal state (a later step undid it)
@@ -39,10 +44,23 @@ def score(task_id: str, episode: Episode) -> Verdict:
         verdict = Verdict(reward=1.0, success=True, reason=f"{task.app} state matches the goal")
     if verdict.reward > 0 and misread(task, episode):
         return verdict.model_copy(update={"train_reward": 0.0})
-    if not turns:
-        return verdict
-    earned = {turn: n * PARTIAL / len(task.plan) for turn, n in Counter(turns).items()}  # a turn may reach two steps
-    return verdict.model_copy(update={"step_rewards": earned})
+    update: dict[str, Any] = {}
+    if turns:  # a turn may reach two steps
+        update["step_rewards"] = {turn: n * PARTIAL / len(task.plan) for turn, n in Counter(turns).items()}
+    if not verdict.success:
+        update["hindsight"] = hindsight(task, episode, data)
+    return verdict.model_copy(update=update)
+
+
+def hindsight(task: Task, episode: Episode, data: dict[str, Any]) -> str | None:
+    """The first user message under which this failed episode succeeds: the instruction of what it did (an episode
+    that changed the app as one task of the world would, asked nothing and read as it acted), else None."""
+    if data == task.data or any(call.name == "ask_user" for call in episode.calls):
+        return None
+    instruction = achieved(task, data)
+    if instruction is None or misread(task, episode):
+        return None
+    return first_message(instruction, make_app(task).render())
 
 
 def misread(task: Task, episode: Episode) -> str | None:

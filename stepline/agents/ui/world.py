@@ -43,6 +43,31 @@ class Task:
     user_reply: str | None = None  # the withheld detail, given only when the agent asks
 
 
+# The instructions of the kinds a done state describes (the generators' and hindsight relabelling's; see hindsight.py)
+def toggle_text(toggle: str, on: bool) -> str:
+    return f"Turn {on_off(on)} {toggle}."
+
+
+def alarm_text(time: str, on: bool) -> str:
+    return f"Turn {on_off(on)} the {time} alarm."
+
+
+def add_alarm_text(time: str) -> str:
+    return f"Add an alarm at {time}."
+
+
+def favorite_text(name: str) -> str:
+    return f"Add {name} to favorites."
+
+
+def delete_text(name: str) -> str:
+    return f"Delete the contact {name}."
+
+
+def buy_text(product: str, quantity: int = 1) -> str:
+    return f"Add {product} to the cart." if quantity == 1 else f"Add {quantity} {product} to the cart."
+
+
 def _word(rng: random.Random, used: set[str], syllables: int) -> str:
     while (word := "".join(rng.choice(SYLLABLES) for _ in range(syllables)).capitalize()) in used:
         pass
@@ -58,7 +83,7 @@ def _settings(rng: random.Random, used: set[str]) -> tuple:
     data: dict[str, Any] = {"sections": sections, "toggles": toggles}
     target = copy.deepcopy(data)
     target["toggles"][toggle] = not toggles[toggle]
-    return "toggle", f"Turn {on_off(not toggles[toggle])} {toggle}.", data, target, (("tap", section), ("tap", toggle)), None
+    return "toggle", toggle_text(toggle, not toggles[toggle]), data, target, (("tap", section), ("tap", toggle)), None
 
 
 def _alarms(rng: random.Random, used: set[str]) -> tuple:
@@ -70,12 +95,11 @@ def _alarms(rng: random.Random, used: set[str]) -> tuple:
         alarm = rng.choice(alarms)
         target = copy.deepcopy(data)
         next(a for a in target["alarms"] if a["time"] == alarm["time"])["on"] = not alarm["on"]
-        text = f"Turn {on_off(not alarm['on'])} the {alarm['time']} alarm."
-        return kind, text, data, target, (("tap", alarm["time"]),), None
+        return kind, alarm_text(str(alarm["time"]), not alarm["on"]), data, target, (("tap", alarm["time"]),), None
     new = times[0]
     target = {"alarms": sorted([*alarms, {"time": new, "on": True}], key=lambda a: str(a["time"]))}
     if kind == "add":
-        return kind, f"Add an alarm at {new}.", data, target, (("type", "New alarm", new), ("tap", "Add")), None
+        return kind, add_alarm_text(new), data, target, (("type", "New alarm", new), ("tap", "Add")), None
     plan = (("ask", "What time?"), ("type", "New alarm", "{reply}"), ("tap", "Add"))
     return kind, "Add an alarm.", data, target, plan, new
 
@@ -91,11 +115,11 @@ def _contacts(rng: random.Random, used: set[str]) -> tuple:
     contact = next(c for c in target["contacts"] if c["name"] == name)
     if kind == "delete":
         target["contacts"].remove(contact)
-        return kind, f"Delete the contact {name}.", data, target, (("tap", name), ("tap", "Delete")), None
+        return kind, delete_text(name), data, target, (("tap", name), ("tap", "Delete")), None
     next(c for c in data["contacts"] if c["name"] == name)["favorite"] = False
     contact["favorite"] = True
     if kind == "favorite":
-        return kind, f"Add {name} to favorites.", data, target, (("tap", name), ("tap", "Favorite")), None
+        return kind, favorite_text(name), data, target, (("tap", name), ("tap", "Favorite")), None
     relation = rng.choice(RELATIONS)
     plan = (("ask", f"Who is your {relation}?"), ("tap", "{reply}"), ("tap", "Favorite"))
     return kind, f"Add my {relation} to favorites.", data, target, plan, name
@@ -111,10 +135,10 @@ def _shopping(rng: random.Random, used: set[str]) -> tuple:
     quantity = rng.randint(2, 5) if kind == "quantity" else 1
     target = {"products": products, "cart": {**cart, product: cart.get(product, 0) + quantity}}
     if kind == "buy":
-        return kind, f"Add {product} to the cart.", data, target, (("tap", product), ("tap", "Add to cart")), None
+        return kind, buy_text(product), data, target, (("tap", product), ("tap", "Add to cart")), None
     if kind == "quantity":
         plan: tuple[tuple[str, ...], ...] = (("tap", product), ("type", "Quantity", str(quantity)), ("tap", "Add to cart"))
-        return kind, f"Add {quantity} {product} to the cart.", data, target, plan, None
+        return kind, buy_text(product, quantity), data, target, plan, None
     product_kind = product.split()[1]
     plan = (("ask", f"Which {product_kind}?"), ("tap", "{reply}"), ("tap", "Add to cart"))
     return kind, f"Add my usual {product_kind} to the cart.", data, target, plan, product
