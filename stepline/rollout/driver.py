@@ -31,6 +31,7 @@ there with the session key as Bearer, for harnesses without a verifier).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -261,7 +262,9 @@ class RolloutDriver:
 
     async def _post_hindsight(self, relabel: Callable[[], Awaitable[SessionHandle]], out: Path, message: str) -> str:
         """Record the episode's conversation with its first user message replaced by `message` in a new expert
-        session (outcome 1: under that message it succeeds) and count it; a failure is logged and only noted."""
+        session (outcome 1: under that message it succeeds) and count it; a failure is logged and only noted (a session
+        it opened ends as failed, unrewarded: its group does not wait for it)."""
+        handle = None
         try:
             episode = json.loads((out / "episode" / "episode.json").read_text())
             messages = [dict(m) for m in episode["messages"]]
@@ -273,6 +276,9 @@ class RolloutDriver:
             await self.gateway.end_session(handle.session_id, "completed")
         except (OSError, ValueError, KeyError, StopIteration, GatewayError) as exc:
             log.warning("hindsight relabelling not recorded: %s", exc)
+            if handle is not None:
+                with contextlib.suppress(GatewayError):
+                    await self.gateway.end_session(handle.session_id, "failed")
             return f"; hindsight not recorded: {exc}"
         self.relabelled += 1
         return "; relabelled in hindsight"

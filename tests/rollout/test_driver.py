@@ -70,6 +70,24 @@ async def test_a_verdicts_step_rewards_train_and_a_refused_one_costs_only_itself
     assert not any(r.session_id in gw.step_rewards for r in evaluated.results)  # evaluation takes the score alone
 
 
+async def test_a_relabelling_the_gateway_refuses_costs_only_itself(tmp_path: Path) -> None:
+    # the stand-in has no demonstration endpoint: the relabelled session ends failed and unrewarded, the episode goes on
+    episode = '{"messages": [{"role": "user", "content": "Turn on Vibrate."}, {"role": "assistant", "content": "Done."}]}'
+    verdict = '{"reward": 0.25, "hindsight": "Turn on Wi-Fi."}'
+    harness = HarnessSpec(name="ext", tasks=["t1"], hindsight=True, verify_command=f"echo '{verdict}'",
+                          command=f"mkdir -p $STEPLINE_OUT_DIR/episode && echo '{episode}' > $STEPLINE_OUT_DIR/episode/episode.json")
+    async with session_standin() as gw, GatewayClient(gw.url, "admin") as client:
+        driver = RolloutDriver(_config(harness, group_size=1), client, tmp_path)
+        await driver.run(num_groups=1)
+    (result,) = driver.results
+    assert (result.reward, driver.relabelled) == (0.25, 0) and "hindsight not recorded" in result.reason
+    (relabelled,) = [sid for sid, body in gw.sessions.items() if body["metadata"].get("hindsight")]
+    assert gw.sessions[relabelled]["metadata"]["expert"] is True
+    assert gw.sessions[relabelled]["group_id"] == gw.sessions[result.session_id]["group_id"]
+    assert (gw.ends[relabelled], relabelled in gw.rewards) == ("failed", False)
+    assert (gw.ends[result.session_id], gw.rewards[result.session_id]) == ("completed", [0.25])
+
+
 async def test_crash_hang_and_garbage_end_as_failed_and_the_job_goes_on(tmp_path: Path) -> None:
     pidfile = tmp_path / "child.pid"
     good = HarnessSpec(name="good", tasks=["a"], command="true", verify_command="echo '{\"reward\": 1.0}'")
