@@ -266,12 +266,12 @@ class RolloutDriver:
         it opened ends as failed, unrewarded: its group does not wait for it)."""
         handle = None
         try:
-            episode = json.loads((out / "episode" / "episode.json").read_text())
-            messages = [dict(m) for m in episode["messages"]]
+            conversation = _conversation(out)
+            messages = [dict(m) for m in conversation["messages"]]
             first = next(m for m in messages if m.get("role") == "user")
             first["content"] = message
             handle = await relabel()
-            await self.gateway.post_demonstration(handle.session_id, {"messages": messages, "tools": episode.get("tools")})
+            await self.gateway.post_demonstration(handle.session_id, {**conversation, "messages": messages})
             await self.gateway.post_reward(handle.session_id, 1.0)
             await self.gateway.end_session(handle.session_id, "completed")
         except (OSError, ValueError, KeyError, StopIteration, GatewayError) as exc:
@@ -315,9 +315,7 @@ class RolloutDriver:
         if played.failure is not None:
             return played
         try:
-            episode = json.loads((out / "episode" / "episode.json").read_text())
-            await self.gateway.post_demonstration(handle.session_id, {"messages": episode["messages"],
-                                                                      "tools": episode.get("tools")})
+            await self.gateway.post_demonstration(handle.session_id, _conversation(out))
         except (OSError, ValueError, KeyError, GatewayError) as exc:
             return _Played(failure=f"the expert's conversation was not recorded: {exc}")
         return played
@@ -485,6 +483,12 @@ class _TaskDraw:
         if not queue:
             queue.extend(self.rng.sample(self.tasks[spec.name], len(self.tasks[spec.name])))
         return spec, queue.pop()
+
+
+def _conversation(out: Path) -> dict[str, Any]:
+    """An episode's recorded conversation as the gateway's demonstration endpoint takes it: {"messages", "tools"}."""
+    episode = json.loads((out / "episode" / "episode.json").read_text())
+    return {"messages": episode["messages"], "tools": episode.get("tools")}
 
 
 def _from_worker(answer: dict[str, Any], train: bool = False) -> _Played:
